@@ -1,0 +1,546 @@
+"""
+nanoformer: the transformer family in one file.
+
+Read it top to bottom: the config; positions (sinusoidal, learned, RoPE, ALiBi, relative bias);
+attention and its KV cache; the feed-forward network and mixture of experts; the block; the
+encoder and decoder stacks; the model with its heads and loss; generation.
+
+One config expresses GPT-2, BERT, T5, Llama and the original Transformer:
+  GPT-2     arch="decoder", pos="learned", norm="layernorm", mlp="gelu"
+  BERT      arch="encoder", pos="learned", norm_first=False
+  T5        arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp="relu" or "geglu", bias=False
+  Llama     arch="decoder", pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_head < n_head, bias=False
+  Vaswani   arch="encoder-decoder", pos="sinusoidal", norm_first=False, mlp="relu"
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ARCHS = ("decoder", "encoder", "encoder-decoder")
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "relu", "swiglu", "geglu")
+ATTN_IMPLS = ("auto", "sdpa", "math")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "decoder"  # "decoder" (GPT), "encoder" (BERT), "encoder-decoder" (T5, Vaswani et al.)
+    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64, which matmuls like
+    block_size: int = 1024  # the context trained on; the length of a learned position table
+    n_layer: int = 12  # blocks per stack (an encoder-decoder has two stacks)
+    n_head: int = 12  # query heads
+    n_kv_head: int | None = None  # key/value heads: None = n_head, 1 = multi-query, else grouped-query
+    n_embd: int = 768  # width of the residual stream
+    head_size: int | None = None  # None = n_embd // n_head
+    mlp_hidden: int | None = None  # None = 4 * n_embd; gated MLPs 8/3 * n_embd (same parameter count)
+    pos: str = "learned"  # "learned", "sinusoidal", "rope", "alibi", "relative" (T5) or "none"
+    rope_theta: float = 10000.0  # RoPE base; Llama 3 uses 500000
+    rope_scaling: float = 1.0  # RoPE position interpolation: positions are divided by this factor
+    rel_buckets: int = 32  # T5 relative bias: number of buckets...
+    rel_max_distance: int = 128  # ...and the offset from which all longer offsets share a bucket
+    norm: str = "layernorm"  # "layernorm" or "rmsnorm"
+    norm_first: bool = True  # True: pre-norm (GPT-2, Llama, T5); False: post-norm (Vaswani, BERT)
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # "gelu", "relu", "swiglu" (Llama) or "geglu" (T5 v1.1)
+    n_expert: int = 0  # 0 = dense MLP; > 0 = mixture of this many expert MLPs
+    expert_top_k: int = 2  # experts each token is routed to
+    moe_aux_weight: float = 0.01  # weight of the load-balancing loss in the training loss
+    window: int = 0  # sliding-window attention: keys fewer than `window` positions away; 0 = all
+    bias: bool = True  # biases in Linear and LayerNorm (GPT-2, BERT: True; Llama, T5: False)
+    dropout: float = 0.0
+    tie_embeddings: bool = True  # the output layer reuses the token embedding matrix
+    attn_impl: str = "auto"  # "auto" (fastest available), "sdpa" (torch's fused kernels), "math"
+
+    def __post_init__(self):
+        for name, choices in [("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS),
+                              ("mlp", MLPS), ("attn_impl", ATTN_IMPLS)]:
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not known: choose one of "
+                                 + ", ".join(map(repr, choices)))
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}: "
+                             f"choose n_kv_head among {[d for d in range(1, self.n_head + 1) if self.n_head % d == 0]}")
+        if self.head_size is None:
+            if self.n_embd % self.n_head:
+                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                                 "make n_embd a multiple of n_head, or set head_size")
+            self.head_size = self.n_embd // self.n_head
+        if self.pos == "rope" and self.head_size % 2:
+            raise ValueError(f"RoPE rotates pairs of channels, so head_size={self.head_size} must be even: "
+                             "change n_embd or n_head")
+        if self.pos == "sinusoidal" and self.n_embd % 2:
+            raise ValueError(f"sinusoidal positions pair sin and cos, so n_embd={self.n_embd} must be even")
+        if self.mlp_hidden is None:
+            # Llama's rule: a gated MLP has three matrices, so 2/3 of 4 * n_embd keeps the parameter
+            # count of a plain MLP; rounded up to a multiple of 64 for the matmuls
+            gated = self.mlp in ("swiglu", "geglu")
+            self.mlp_hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64) if gated else 4 * self.n_embd
+        if self.n_expert < 0 or (self.n_expert and not 1 <= self.expert_top_k <= self.n_expert):
+            raise ValueError(f"expert_top_k={self.expert_top_k} must lie between 1 and n_expert={self.n_expert} "
+                             "(and n_expert must be 0 for a dense MLP, or positive)")
+        if self.window < 0:
+            raise ValueError(f"window={self.window} must be 0 (full attention) or a positive span")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must lie in [0, 1)")
+        if self.rope_scaling <= 0 or self.rope_theta <= 0:
+            raise ValueError("rope_theta and rope_scaling must be positive (rope_scaling=1 means no scaling)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions. Learned and sinusoidal positions are added to the token embeddings; RoPE rotates
+# queries and keys; ALiBi and the relative bias are added to the attention scores.
+
+def angles(pos, dim, base):
+    """pos * base^(-2i/dim) for i < dim/2: the angles of sinusoidal positions and of RoPE.
+    (*pos.shape) -> (*pos.shape, dim/2); low channels turn fast, high channels slowly."""
+    freq = base ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)
+    return pos[..., None].float() * freq
+
+
+def sinusoidal(pos, dim, base=10000.0):
+    """Vaswani et al.: PE(pos, 2i) = sin(pos / base^(2i/dim)), PE(pos, 2i+1) = cos(...).
+    Each sin/cos pair turns by a fixed angle per step, so PE(pos + k) is a rotation of PE(pos)."""
+    a = angles(pos, dim, base)
+    return torch.stack((a.sin(), a.cos()), -1).flatten(-2)  # (..., dim), sin and cos interleaved
+
+
+def rope(pos, head_size, theta=10000.0, scaling=1.0):
+    """RoPE (Su et al.): cos and sin of each position's angles, (B|1, 1, T, hs/2) for apply_rope.
+    Dividing positions by `scaling` squeezes a longer context into the trained angle range."""
+    a = angles(pos / scaling, head_size, theta)[:, None]
+    return a.cos(), a.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate channel pairs (i, i + hs/2) of x (B, nh, T, hs) by their angles. The dot product of a
+    rotated query and key then depends only on how far apart their positions are."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+def alibi_slopes(n_head):
+    """ALiBi (Press et al.): head h adds -slope_h * distance to its scores. The slopes are the
+    geometric sequence 2^(-8/n), 2^(-16/n), ...; a head count that is not a power of two takes the
+    closest power's slopes plus every other slope of the next power."""
+    def geometric(n):
+        return [2 ** (-8 * (i + 1) / n) for i in range(n)]
+    p = 2 ** math.floor(math.log2(n_head))
+    return geometric(p) + geometric(2 * p)[0::2][: n_head - p]
+
+
+def relative_bucket(offset, bidirectional, num_buckets, max_distance):
+    """T5's buckets for key position - query position: exact for small offsets, logarithmically
+    wider up to max_distance, one bucket beyond. A bidirectional stack gives each sign half."""
+    bucket = torch.zeros_like(offset)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = (offset > 0).long() * num_buckets
+        n = offset.abs()
+    else:
+        n = (-offset).clamp(min=0)  # a decoder never sees the future: only offsets <= 0 matter
+    exact = num_buckets // 2
+    log_ratio = torch.log(n.float().clamp(min=exact) / exact) / math.log(max_distance / exact)
+    far = (exact + (log_ratio * (num_buckets - exact)).long()).clamp(max=num_buckets - 1)
+    return bucket + torch.where(n < exact, n, far)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+
+def attention(q, k, v, bias=None, causal=False, dropout=0.0, impl="sdpa"):
+    """softmax(q kᵀ / sqrt(hs) + bias) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs).
+    Each group of nh / n_kv_head query heads shares one key/value head (grouped-query attention).
+    `bias` (B|1, nh|1, Tq, Tk) holds position biases and -inf where a query may not look; `causal`
+    (with no bias) lets fused kernels mask the future themselves. Returns the output (B, nh, Tq, hs)
+    and, on the math path, the attention weights (B, nh, Tq, Tk)."""
+    if bias is not None:
+        bias = bias.to(q.dtype)
+    if impl != "math":
+        # fused kernels (flash attention when causal and unbiased) never build the Tq x Tk matrix
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
+                                           is_causal=causal, enable_gqa=True)
+        return y, None
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
+    att = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.size(-1))  # (B, nh, Tq, Tk)
+    if causal:
+        att = att.masked_fill(torch.ones_like(att, dtype=torch.bool).triu(1), float("-inf"))
+    if bias is not None:
+        att = att + bias
+    att = att.softmax(dim=-1).type_as(q)
+    return F.dropout(att, dropout) @ v, att
+
+
+class KVCache(nn.Module):
+    """Keys and values of the last `size` positions of one layer, oldest first. Each step appends
+    the new ones and drops the oldest, so the buffers keep their shape (torch.compile replays one
+    graph) and a sliding-window cache never grows past the window."""
+
+    def __init__(self, batch_size, n_kv_head, size, head_size, dtype, device):
+        super().__init__()
+        shape = (batch_size, n_kv_head, size, head_size)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def forward(self, k, v):
+        # (B, n_kv_head, T, hs) new -> (B, n_kv_head, size + T, hs): everything the queries may see
+        k, v = torch.cat((self.k, k.to(self.k.dtype)), 2), torch.cat((self.v, v.to(self.v.dtype)), 2)
+        self.k.copy_(k[:, :, -self.k.size(2):])
+        self.v.copy_(v[:, :, -self.v.size(2):])
+        return k, v
+
+
+class Attention(nn.Module):
+    """Multi-head attention: self-attention over x, or cross-attention from x to an encoder's output.
+    Only n_kv_head key/value heads are projected and cached (GQA/MQA)."""
+
+    def __init__(self, config, causal=False, cross=False):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_size = config.n_head, config.n_kv_head, config.head_size
+        self.causal, self.cross = causal and not cross, cross
+        self.c_q = nn.Linear(config.n_embd, config.n_head * config.head_size, bias=config.bias)
+        self.c_kv = nn.Linear(config.n_embd, 2 * config.n_kv_head * config.head_size, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.impl = "sdpa" if config.attn_impl == "auto" else config.attn_impl
+        self.kv_cache = None  # set by Transformer.setup_kv_cache: a KVCache, or (k, v) of the memory
+        self.att = None  # the last attention weights, kept on the math path for inspection
+
+    def kv(self, x):
+        B, T, _ = x.shape
+        kv = self.c_kv(x).view(B, T, 2, self.n_kv_head, self.head_size)
+        return kv.permute(2, 0, 3, 1, 4).unbind(0)  # k, v: (B, n_kv_head, T, hs)
+
+    def forward(self, x, bias=None, rope=None, memory=None):
+        B, T, _ = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        if self.cross:  # keys and values of the encoder's output: computed once when generating
+            k, v = self.kv_cache if self.kv_cache is not None else self.kv(memory)
+        else:
+            k, v = self.kv(x)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if self.kv_cache is not None:
+                k, v = self.kv_cache(k, v)
+        dropout = self.dropout if self.training else 0.0
+        y, att = attention(q, k, v, bias, self.causal and bias is None, dropout, self.impl)
+        if att is not None:
+            self.att = att.detach()
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size)  # heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+# ----------------------------------------------------------------------------------------------
+# Feed-forward: a dense MLP, or a mixture of experts
+
+class MLP(nn.Module):
+    """Two layers with a nonlinearity between. Gated variants (Shazeer 2020) multiply act(x W) by a
+    second projection x V; W and V are one matrix here, split in two."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.kind = config.mlp
+        gated = config.mlp in ("swiglu", "geglu")
+        self.c_fc = nn.Linear(config.n_embd, (1 + gated) * config.mlp_hidden, bias=config.bias)
+        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        h = self.c_fc(x)
+        if self.kind == "relu":
+            h = F.relu(h)
+        elif self.kind == "gelu":
+            h = F.gelu(h, approximate="tanh")  # GPT-2's and BERT's tanh approximation
+        else:
+            h, gate = h.chunk(2, dim=-1)
+            h = h * (F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh"))
+        return self.dropout(self.c_proj(h))
+
+
+class MoE(nn.Module):
+    """Mixture of experts (Shazeer 2017; Switch; Mixtral): a router sends each token to its top-k
+    expert MLPs and mixes their outputs by the router's probabilities. More parameters, the same
+    compute per token."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.expert_top_k
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = nn.ModuleList(MLP(config) for _ in range(config.n_expert))
+        self.aux_loss = None  # the load-balancing loss of the last forward pass
+
+    def forward(self, x):
+        B, T, C = x.shape
+        x = x.reshape(B * T, C)
+        probs = self.router(x).float().softmax(dim=-1)  # (N, E)
+        weight, expert = probs.topk(self.top_k, dim=-1)  # (N, k)
+        if self.top_k > 1:  # Mixtral renormalises over the chosen experts; Switch (k=1) keeps the gate
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        # Switch Transformer's balance loss: E * sum_e (share of tokens sent to e) * (mean prob of e).
+        # It is 1 when the routing is uniform and grows as the router favours a few experts.
+        E = probs.size(-1)
+        share = F.one_hot(expert, E).sum(1).float().mean(0) / self.top_k
+        self.aux_loss = E * (share * probs.mean(0)).sum()
+        y = torch.zeros_like(x)
+        for e, mlp in enumerate(self.experts):
+            token, slot = torch.where(expert == e)
+            y.index_add_(0, token, mlp(x[token]) * weight[token, slot, None].to(x.dtype))
+        return y.view(B, T, C)
+
+
+# ----------------------------------------------------------------------------------------------
+# The block and the stacks
+
+def make_norm(config):
+    if config.norm == "rmsnorm":  # Zhang & Sennrich: rescale only, no centring, no bias
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+class Block(nn.Module):
+    """Self-attention, cross-attention (decoder of an encoder-decoder), feed-forward: each a
+    residual branch with its norm."""
+
+    def __init__(self, config, causal, cross=False):
+        super().__init__()
+        self.norm_first = config.norm_first
+        self.ln_1 = make_norm(config)
+        self.attn = Attention(config, causal=causal)
+        self.ln_cross = make_norm(config) if cross else None
+        self.cross_attn = Attention(config, cross=True) if cross else None
+        self.ln_2 = make_norm(config)
+        self.mlp = MoE(config) if config.n_expert else MLP(config)
+
+    def forward(self, x, bias=None, rope=None, memory=None, memory_bias=None):
+        x = self.residual(x, self.ln_1, lambda h: self.attn(h, bias, rope))
+        if self.cross_attn is not None:
+            x = self.residual(x, self.ln_cross, lambda h: self.cross_attn(h, memory_bias, memory=memory))
+        return self.residual(x, self.ln_2, self.mlp)
+
+    def residual(self, x, norm, f):
+        # Pre-norm leaves a clean identity path from input to output, which is why deep pre-norm
+        # stacks train without warmup tricks; post-norm, as first published, normalises the sum.
+        return x + f(norm(x)) if self.norm_first else norm(x + f(x))
+
+
+class Stack(nn.Module):
+    """The encoder (bidirectional) or the decoder (causal): positions, n_layer blocks, a final norm."""
+
+    def __init__(self, config, causal, cross=False):
+        super().__init__()
+        self.config, self.causal = config, causal
+        if config.pos == "learned":
+            self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        if config.pos == "relative":  # one table per stack, shared by its layers (as in T5)
+            self.rel = nn.Embedding(config.rel_buckets, config.n_head)
+        if config.pos == "alibi":
+            self.register_buffer("slopes", torch.tensor(alibi_slopes(config.n_head)), persistent=False)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList(Block(config, causal, cross) for _ in range(config.n_layer))
+        self.ln_f = make_norm(config)
+        self.cache_valid = None  # (B, S) while generating: which cached positions hold real tokens
+
+    def forward(self, x, pos, valid=None, memory=None, memory_valid=None):
+        # x (B, T, C): token embeddings at positions pos (B|1, T); valid (B, T): False for padding
+        c = self.config
+        if c.pos == "learned":
+            x = x + self.wpe(pos)
+        elif c.pos == "sinusoidal":  # Vaswani et al. scale the embeddings so the sines do not drown them
+            x = x * math.sqrt(c.n_embd) + sinusoidal(pos, c.n_embd).to(x.dtype)
+        x = self.drop(x)
+        if not c.norm_first:
+            x = self.ln_f(x)  # post-norm ends each block with a norm; BERT normalises the input instead
+        if self.cache_valid is not None:  # keys are the cached positions followed by the new ones
+            new = valid if valid is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+            valid = torch.cat((self.cache_valid, new), dim=1)
+            self.cache_valid.copy_(valid[:, -self.cache_valid.size(1):])
+        bias = self.attn_bias(x.size(1), x.size(1) if valid is None else valid.size(1), valid, x.device)
+        cos_sin = rope(pos, c.head_size, c.rope_theta, c.rope_scaling) if c.pos == "rope" else None
+        memory_bias = None
+        if memory_valid is not None:  # cross-attention sees every real encoder position
+            memory_bias = torch.zeros(memory_valid.shape, device=x.device).masked_fill(~memory_valid, float("-inf"))
+            memory_bias = memory_bias[:, None, None, :]  # (B, 1, 1, S)
+        for block in self.h:
+            x = block(x, bias, cos_sin, memory, memory_bias)
+        return self.ln_f(x) if c.norm_first else x
+
+    def attn_bias(self, Tq, Tk, valid, dev):
+        """What each query may see, as an additive bias (B|1, nh|1, Tq, Tk): the position bias where it
+        may look, -inf where not. The queries are the last Tq of the Tk key positions (new tokens
+        after a KV cache). None when plain causal (or full) attention says it all."""
+        c = self.config
+        if valid is None and not c.window and c.pos not in ("alibi", "relative") and Tq == Tk:
+            return None
+        dist = torch.arange(Tk - Tq, Tk, device=dev)[:, None] - torch.arange(Tk, device=dev)  # query - key
+        see = (dist >= 0) if self.causal else torch.ones_like(dist, dtype=torch.bool)
+        if c.window:
+            see = see & (dist.abs() < c.window)
+        see = see[None]  # (1, Tq, Tk)
+        if valid is not None:  # padding is never seen, except by itself, so no row is empty
+            see = (see & valid[:, None, :]) | (dist == 0)  # (B, Tq, Tk)
+        if c.pos == "alibi":
+            bias = -self.slopes[:, None, None] * dist.abs()  # (nh, Tq, Tk)
+        elif c.pos == "relative":
+            bucket = relative_bucket(-dist, not self.causal, c.rel_buckets, c.rel_max_distance)
+            bias = self.rel(bucket).permute(2, 0, 1)  # (nh, Tq, Tk)
+        else:
+            bias = torch.zeros(1, Tq, Tk, device=dev)
+        return torch.where(see[:, None], bias, float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+class Transformer(nn.Module):
+    """A decoder (GPT), an encoder (BERT) or an encoder-decoder (T5), sharing one token embedding."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        C = config.n_embd
+        self.wte = nn.Embedding(config.vocab_size, C)
+        self.encoder = Stack(config, causal=False) if config.arch != "decoder" else None
+        cross = config.arch == "encoder-decoder"
+        self.decoder = Stack(config, causal=True, cross=cross) if config.arch != "encoder" else None
+        self.mlm_head = None
+        if config.arch == "encoder":  # BERT transforms the hidden state once more before predicting
+            self.mlm_head = nn.Sequential(nn.Linear(C, C, bias=config.bias), nn.GELU("tanh"), make_norm(config))
+        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        if config.tie_embeddings:  # one matrix reads and writes tokens (Press & Wolf 2017)
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2: each residual branch adds to the stream, so
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))  # scale them down
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets=None, *, mask=None, src=None, src_mask=None, input_pos=None):
+        """idx (B, T) token ids -> logits (B, T, vocab_size), and the loss against targets (B, T),
+        where -100 marks positions without a loss. mask (B, T) is False at padding in idx. An
+        encoder-decoder reads src (B, S) (padding: src_mask) and predicts idx. input_pos (T,) or
+        (B, T) gives the positions of idx; generate() passes it while the KV cache is set up."""
+        c = self.config
+        B, T = idx.shape
+        if c.pos == "learned" and input_pos is None and T > c.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={c.block_size}, the "
+                             "end of the learned position table: crop the input")
+        pos = torch.arange(T, device=idx.device) if input_pos is None else input_pos
+        pos = pos.view(-1, T)  # (B|1, T)
+        if c.arch == "encoder":
+            x = self.mlm_head(self.encoder(self.wte(idx), pos, mask))
+        else:
+            memory = None
+            if src is not None:
+                src_pos = torch.arange(src.size(1), device=src.device)[None]
+                memory = self.encoder(self.wte(src), src_pos, src_mask)
+            elif c.arch == "encoder-decoder" and self.decoder.h[0].cross_attn.kv_cache is None:
+                raise ValueError("an encoder-decoder needs src: model(idx, targets, src=src)")
+            x = self.decoder(self.wte(idx), pos, mask, memory, src_mask)
+        logits = self.lm_head(x)  # (B, T, vocab_size)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+            if c.n_expert:
+                loss = loss + c.moe_aux_weight * sum(m.aux_loss for m in self.modules() if isinstance(m, MoE))
+        return logits, loss
+
+    # ------------------------------------------------------------------------------------------
+    # Generation
+
+    def setup_kv_cache(self, batch_size, size, memory=None, dtype=None):
+        """Give every decoder self-attention a cache of `size` positions (n_kv_head heads each), and
+        every cross-attention the keys and values of the encoder's output `memory`, computed once."""
+        dev = self.wte.weight.device
+        dtype = dtype or self.wte.weight.dtype
+        c = self.config
+        for block in self.decoder.h:
+            block.attn.kv_cache = KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev)
+            if memory is not None:
+                block.cross_attn.kv_cache = block.cross_attn.kv(memory)
+        self.decoder.cache_valid = torch.zeros(batch_size, size, dtype=torch.bool, device=dev)
+
+    def clear_kv_cache(self):
+        for block in self.decoder.h:
+            block.attn.kv_cache = None
+            if block.cross_attn is not None:
+                block.cross_attn.kv_cache = None
+        self.decoder.cache_valid = None
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None):
+        """Continue idx (B, T) by max_new_tokens sampled tokens, feeding one token per step through the
+        KV cache. temperature=0 is greedy. An encoder-decoder encodes src once and decodes from idx
+        (a start token). Returns (B, T + max_new_tokens)."""
+        c = self.config
+        if c.arch == "encoder":
+            raise ValueError("an encoder does not generate: fill masked tokens with one forward pass")
+        if c.arch == "encoder-decoder" and src is None:
+            raise ValueError("an encoder-decoder generates from src: generate(idx, n, src=src)")
+        dev_type = idx.device.type
+        dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else None
+        memory = None
+        if src is not None:
+            memory = self.encoder(self.wte(src), torch.arange(src.size(1), device=src.device)[None], src_mask)
+        # the cache holds what the last token may see: everything, the window, or a learned table
+        size = idx.size(1) + max_new_tokens
+        if c.window:
+            size = min(size, c.window)
+        if c.pos == "learned":
+            size = min(size, c.block_size)
+
+        def prefill(tokens):
+            self.setup_kv_cache(tokens.size(0), size, memory, dtype)
+            return self(tokens, src_mask=src_mask, input_pos=torch.arange(tokens.size(1), device=idx.device))[0]
+
+        try:
+            logits = prefill(idx[:, -c.block_size:] if c.pos == "learned" else idx)
+            for i in range(max_new_tokens):
+                idx_next = sample(logits[:, -1], temperature, top_k, top_p)  # (B, 1)
+                idx = torch.cat((idx, idx_next), dim=1)
+                if i == max_new_tokens - 1:
+                    break
+                if c.pos == "learned" and idx.size(1) > c.block_size:
+                    # past the learned table, positions must shift: recompute the last block_size
+                    # tokens as nanoGPT does (no cache saving from here on)
+                    logits = prefill(idx[:, -c.block_size:])
+                else:
+                    pos = torch.tensor([idx.size(1) - 1], device=idx.device)
+                    logits = self(idx_next, src_mask=src_mask, input_pos=pos)[0]
+        finally:
+            self.clear_kv_cache()
+        return idx
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=None):
+    """Draw one token per row of logits (B, V) -> (B, 1), with no device-to-host sync."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:  # keep the k most likely tokens
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:  # nucleus: keep the most likely tokens whose probabilities add up to top_p
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        outside = probs.cumsum(dim=-1) - probs > top_p  # the mass before this token already reaches p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    # argmax of p_i / e_i with e_i ~ Exp(1) picks token i with probability p_i (the Gumbel-max trick),
+    # unlike torch.multinomial, without waiting for the device
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1, keepdim=True)

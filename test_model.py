@@ -1,0 +1,461 @@
+"""Properties of model.py, each checked over the family of configs it claims to hold."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import (ARCHS, POSITIONS, KVCache, ModelConfig, Transformer, alibi_slopes, apply_rope,
+                   attention, relative_bucket, rope, sample, sinusoidal)
+
+V = 61  # a small vocabulary, not a power of two
+
+
+def tiny(**kw):
+    base = dict(vocab_size=V, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    return ModelConfig(**{**base, **kw})
+
+
+def model_of(seed=0, **kw):
+    torch.manual_seed(seed)
+    return Transformer(tiny(**kw)).eval()
+
+
+# A covering matrix: every arch with every position scheme, the other options rotating through
+# their values so that each appears with each arch (GQA/MQA, pre/post-norm, norms, MLPs, window).
+FFNS = [dict(mlp="gelu"), dict(mlp="swiglu"), dict(mlp="relu", n_expert=4, expert_top_k=2),
+        dict(mlp="geglu"), dict(mlp="gelu", n_expert=3, expert_top_k=1)]
+MATRIX = []
+for i, (arch, pos) in enumerate(itertools.product(ARCHS, POSITIONS)):
+    MATRIX.append(dict(arch=arch, pos=pos, n_kv_head=[4, 2, 1][i % 3], norm_first=i % 2 == 0,
+                       norm=["layernorm", "rmsnorm"][i // 2 % 2], window=[0, 3][i // 3 % 2],
+                       **FFNS[i % 5]))
+
+
+def config_id(kw):
+    return "-".join(str(v) for v in kw.values())
+
+
+def inputs(cfg, B=2, T=10, S=7, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, V, (B, T), generator=g)
+    src = torch.randint(0, V, (B, S), generator=g) if cfg["arch"] == "encoder-decoder" else None
+    return idx, src
+
+
+# ----------------------------------------------------------------------------------------------
+# Causality
+
+@pytest.mark.parametrize("kw", MATRIX, ids=config_id)
+def test_decoder_logits_ignore_future_tokens_and_encoder_logits_do_not(kw):
+    model = model_of(**kw)
+    idx, src = inputs(kw)
+    t = 4
+    changed = idx.clone()
+    changed[:, t + 1] = (changed[:, t + 1] + 1) % V  # change only the token right after t
+    a, _ = model(idx, src=src)
+    b, _ = model(changed, src=src)
+    if kw["arch"] == "encoder":
+        assert (a[:, t] - b[:, t]).abs().max() > 1e-5  # an encoder looks ahead
+    else:
+        torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=0, atol=1e-6)
+        assert (a[:, t + 1] - b[:, t + 1]).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_sliding_window_hides_keys_further_back_than_the_window(window):
+    model = model_of(pos="none", window=window, n_layer=1)
+    idx, _ = inputs(dict(arch="decoder"))
+    changed = idx.clone()
+    changed[:, 2] = (changed[:, 2] + 1) % V
+    a, _ = model(idx)
+    b, _ = model(changed)
+    torch.testing.assert_close(a[:, 2 + window:], b[:, 2 + window:], rtol=0, atol=1e-6)  # out of reach
+    assert (a[:, 2 + window - 1] - b[:, 2 + window - 1]).abs().max() > 1e-5  # the last one in reach
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+
+def greedy_without_cache(model, idx, steps, src=None):
+    """The reference: every step recomputes the whole (cropped, for learned positions) sequence."""
+    c = model.config
+    logits = []
+    for _ in range(steps):
+        ctx = idx[:, -c.block_size:] if c.pos == "learned" else idx
+        step = model(ctx, src=src)[0][:, -1]
+        logits.append(step)
+        idx = torch.cat((idx, step.argmax(-1, keepdim=True)), dim=1)
+    return idx, torch.stack(logits, 1)
+
+
+def greedy_with_cache(model, idx, steps, src=None):
+    """The same, one token at a time through the cache, as generate() does (within block_size)."""
+    memory = None
+    if src is not None:
+        memory = model.encoder(model.wte(src), torch.arange(src.size(1))[None])
+    size = model.config.window or idx.size(1) + steps
+    model.setup_kv_cache(idx.size(0), size, memory)
+    logits = model(idx, input_pos=torch.arange(idx.size(1)))[0][:, -1:]
+    for i in range(steps - 1):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        idx = torch.cat((idx, nxt), dim=1)
+        logits = torch.cat((logits, model(nxt, input_pos=torch.tensor([idx.size(1) - 1]))[0]), dim=1)
+    model.clear_kv_cache()
+    return logits
+
+
+CACHE_CASES = [dict(arch=a, pos=p, n_kv_head=h, window=w)
+               for a in ("decoder", "encoder-decoder") for p in POSITIONS for h in (4, 2, 1) for w in (0, 3)]
+
+
+@pytest.mark.parametrize("kw", CACHE_CASES, ids=config_id)
+def test_cached_decoding_equals_recomputing_everything(kw):
+    model = model_of(block_size=32, **kw)
+    idx, src = inputs(kw, T=5)
+    ref_tokens, ref_logits = greedy_without_cache(model, idx, 12, src)
+    torch.testing.assert_close(greedy_with_cache(model, idx, 12, src), ref_logits, rtol=0, atol=1e-5)
+    assert torch.equal(model.generate(idx, 12, temperature=0, src=src), ref_tokens)
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+def test_generate_past_block_size_equals_recomputing_everything(pos):
+    # learned positions slide the context as nanoGPT does; the others just keep going
+    model = model_of(pos=pos, block_size=8)
+    idx, _ = inputs(dict(arch="decoder"), T=5)
+    ref_tokens, _ = greedy_without_cache(model, idx, 14)
+    assert torch.equal(model.generate(idx, 14, temperature=0), ref_tokens)
+
+
+def test_windowed_cache_holds_at_most_window_positions():
+    model = model_of(pos="rope", window=4)
+    sizes = []
+    model.decoder.h[0].attn.register_forward_hook(lambda m, i, o: sizes.append(m.kv_cache.k.size(2)))
+    model.generate(torch.zeros(1, 3, dtype=torch.long), 40, temperature=0)
+    assert len(sizes) == 40 and set(sizes) == {4}
+
+
+def test_encoder_decoder_generation_encodes_the_source_once():
+    model = model_of(arch="encoder-decoder", pos="relative")
+    calls = []
+    model.encoder.register_forward_hook(lambda m, i, o: calls.append(1))
+    cross = model.decoder.h[0].cross_attn.c_kv
+    cross.register_forward_hook(lambda m, i, o: calls.append(2))
+    idx, src = inputs(dict(arch="encoder-decoder"), T=1)
+    model.generate(idx, 10, src=src)
+    assert calls == [1, 2]  # one encoder pass, one projection of its keys and values
+
+
+def test_gqa_cache_is_n_head_over_n_kv_head_times_smaller():
+    def cache_numel(n_kv_head):
+        model = model_of(n_head=8, n_kv_head=n_kv_head, n_embd=64)
+        model.setup_kv_cache(2, 16)
+        return sum(b.numel() for m in model.modules() if isinstance(m, KVCache) for b in m.buffers())
+    assert cache_numel(8) == 4 * cache_numel(2) == 8 * cache_numel(1)
+
+
+def test_generate_rejects_an_encoder():
+    with pytest.raises(ValueError, match="encoder does not generate"):
+        model_of(arch="encoder").generate(torch.zeros(1, 2, dtype=torch.long), 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+
+def test_n_kv_head_equal_to_n_head_is_exactly_multi_head_attention():
+    torch.manual_seed(0)
+    cfg = tiny(n_kv_head=4)
+    ours = Transformer(cfg).decoder.h[0].attn.eval()
+    mha = nn.MultiheadAttention(cfg.n_embd, cfg.n_head, batch_first=True)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat((ours.c_q.weight, ours.c_kv.weight)))
+        mha.in_proj_bias.copy_(torch.cat((ours.c_q.bias, ours.c_kv.bias)))
+        mha.out_proj.weight.copy_(ours.c_proj.weight)
+        mha.out_proj.bias.copy_(ours.c_proj.bias)
+    x = torch.randn(3, 9, cfg.n_embd)
+    future = torch.ones(9, 9, dtype=torch.bool).triu(1)
+    torch.testing.assert_close(ours(x), mha(x, x, x, attn_mask=future, need_weights=False)[0])
+
+
+def test_grouped_query_attention_equals_multi_head_with_shared_key_value_heads():
+    torch.manual_seed(0)
+    gqa = Transformer(tiny(n_kv_head=2)).eval()
+    mha = Transformer(tiny(n_kv_head=4)).eval()
+    state = gqa.state_dict()
+    for name, w in state.items():  # repeat each key/value head for the 2 query heads that share it
+        if "c_kv" in name:
+            w = w.view(2, 2, 1, 8, -1).expand(2, 2, 2, 8, -1).reshape(-1, *w.shape[1:])
+        state[name] = w
+    mha.load_state_dict(state)
+    idx, _ = inputs(dict(arch="decoder"))
+    torch.testing.assert_close(gqa(idx)[0], mha(idx)[0])
+
+
+@pytest.mark.parametrize("kw", [dict(pos="alibi", window=3), dict(pos="relative"), dict(arch="encoder", pos="rope")],
+                         ids=config_id)
+def test_math_path_equals_sdpa_and_keeps_weights_that_sum_to_one(kw):
+    idx, src = inputs(dict(arch="decoder"))
+    fast = model_of(attn_impl="sdpa", n_kv_head=2, **kw)
+    slow = model_of(attn_impl="math", n_kv_head=2, **kw)
+    torch.testing.assert_close(fast(idx)[0], slow(idx)[0], rtol=1e-5, atol=1e-5)
+    att = slow.decoder.h[1].attn.att if slow.decoder else slow.encoder.h[1].attn.att
+    assert att.shape == (2, 4, 10, 10)
+    torch.testing.assert_close(att.sum(-1), torch.ones(2, 4, 10))
+    if kw.get("arch") != "encoder":
+        assert att.triu(1).abs().max() == 0  # no weight on the future
+
+
+def test_attention_function_matches_softmax_formula_with_bias():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 8)
+    bias = torch.randn(2, 4, 5, 7)
+    want = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + bias, -1) @ v
+    for impl in ("sdpa", "math"):
+        torch.testing.assert_close(attention(q, k, v, bias, impl=impl)[0], want)
+
+
+@pytest.mark.parametrize("arch", ["encoder", "encoder-decoder"])
+def test_padding_changes_nothing_for_the_real_tokens(arch):
+    model = model_of(arch=arch, pos="relative")
+    idx, src = inputs(dict(arch=arch))
+    valid = torch.ones(2, 10 if arch == "encoder" else 7, dtype=torch.bool)
+    valid[0, -3:] = False  # row 0 ends with three padding tokens
+    padded = (idx if arch == "encoder" else src).clone()
+    repadded = padded.clone()
+    repadded[0, -3:] = (repadded[0, -3:] + 7) % V  # whatever the padding holds
+    if arch == "encoder":
+        a, b = model(padded, mask=valid)[0], model(repadded, mask=valid)[0]
+        torch.testing.assert_close(a[0, :-3], b[0, :-3], rtol=0, atol=1e-6)
+        alone = model(padded[:1, :-3])[0]  # and the same as the sequence without padding at all
+    else:
+        a, b = model(idx, src=padded, src_mask=valid)[0], model(idx, src=repadded, src_mask=valid)[0]
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=1e-6)
+        alone = model(idx[:1], src=padded[:1, :-3])[0]
+    torch.testing.assert_close(a[:1, : alone.size(1)], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope", "alibi", "relative"])
+@pytest.mark.parametrize("impl", ["sdpa", "math"])
+def test_left_padding_changes_nothing_for_the_real_tokens_of_a_decoder(pos, impl):
+    model = model_of(pos=pos, attn_impl=impl)
+    idx, _ = inputs(dict(arch="decoder"))
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[0, :3] = False  # row 0 is a 7-token prompt, left-padded to 10
+    positions = (torch.arange(10) - torch.tensor([[3], [0]])).clamp(min=0)  # each row counts from 0
+    logits = model(idx, mask=valid, input_pos=positions)[0]
+    assert not logits.isnan().any()  # padding rows see themselves, so no softmax is empty
+    torch.testing.assert_close(logits[0, 3:], model(idx[:1, 3:])[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[1], model(idx[1:])[0][0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_post_norm_blocks_end_normalised_and_pre_norm_blocks_do_not(norm):
+    x = torch.randn(2, 6, 32) * 3 + 1
+    rms = [model_of(norm=norm, norm_first=first).decoder.h[0](x).pow(2).mean(-1) for first in (False, True)]
+    torch.testing.assert_close(rms[0], torch.ones(2, 6), rtol=0, atol=1e-3)  # unit scale, then weight = 1
+    assert (rms[1] - 1).abs().min() > 0.5  # the residual stream keeps its own scale
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions
+
+def test_rope_score_depends_only_on_the_offset():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
+    def score(m, n):
+        cq, sq = rope(torch.tensor([[m]]), 16)
+        ck, sk = rope(torch.tensor([[n]]), 16)
+        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum().item()
+    for offset in (0, 3, 17):
+        scores = [score(n + offset, n) for n in (0, 5, 100, 1000)]
+        assert max(scores) - min(scores) < 1e-4
+    assert abs(score(3, 0) - score(5, 0)) > 1e-3  # and it does depend on the offset
+
+
+def test_rope_scaling_maps_position_p_to_p_over_the_factor():
+    cos2, sin2 = rope(torch.tensor([[10]]), 16, scaling=2.0)
+    cos1, sin1 = rope(torch.tensor([[5]]), 16)
+    torch.testing.assert_close((cos2, sin2), (cos1, sin1))
+
+
+def test_sinusoidal_position_plus_k_is_a_fixed_linear_map_of_position():
+    dim, k = 32, 7
+    omega = 1 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # the paper's frequencies
+    c, s = torch.cos(k * omega), torch.sin(k * omega)
+    shift = torch.zeros(dim, dim, dtype=torch.float64)  # sin(a+b) = sin a cos b + cos a sin b, ...
+    shift[0::2, 0::2], shift[0::2, 1::2] = torch.diag(c), torch.diag(s)
+    shift[1::2, 0::2], shift[1::2, 1::2] = torch.diag(-s), torch.diag(c)
+    pe = sinusoidal(torch.arange(1000), dim).double()
+    torch.testing.assert_close(pe[:-k] @ shift.T, pe[k:], rtol=0, atol=1e-4)  # one matrix for every pos
+
+
+def test_alibi_slopes_for_8_heads_are_a_half_to_one_over_256():
+    assert alibi_slopes(8) == [1 / 2 ** i for i in range(1, 9)]
+    six = alibi_slopes(6)  # not a power of two: 4 heads' slopes, then odd ones of 8 heads'
+    assert six == [1 / 4, 1 / 16, 1 / 64, 1 / 256, 1 / 2, 1 / 8]
+
+
+def test_relative_buckets_are_exact_near_and_logarithmic_far():
+    offsets = torch.arange(-300, 301)
+    both = relative_bucket(offsets, True, 32, 128)
+    assert torch.equal(both[293:301].flip(0), torch.arange(8))  # offsets 0, -1, ..., -7: one bucket each
+    assert torch.equal(both[301:308], torch.arange(17, 24))  # offsets +1..+7: the other half
+    assert both.max() == 31 and both.min() == 0
+    assert torch.equal(both[: 300 - 128], torch.full((172,), 15))  # far past: one bucket
+    assert (both[:301].flip(0).diff() >= 0).all()  # grows with distance
+    causal = relative_bucket(offsets, False, 32, 128)
+    assert (causal[301:] == 0).all() and torch.equal(causal[285:301].flip(0), torch.arange(16))
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes
+
+def test_gpt2_124m_has_124439808_parameters():
+    cfg = ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, pos="learned",
+                      norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 124_439_808
+
+
+@pytest.mark.parametrize("d", [64, 96, 768])
+def test_a_block_with_biases_and_layernorm_has_12_d_squared_plus_13_d(d):
+    with torch.device("meta"):
+        block = Transformer(ModelConfig(n_embd=d, n_head=4, n_layer=1)).decoder.h[0]
+    assert sum(p.numel() for p in block.parameters()) == 12 * d * d + 13 * d
+
+
+def test_swiglu_default_hidden_keeps_the_parameter_count_of_a_plain_mlp():
+    with torch.device("meta"):
+        gelu = Transformer(ModelConfig(n_embd=768, bias=False, mlp="gelu")).decoder.h[0].mlp
+        swiglu = Transformer(ModelConfig(n_embd=768, bias=False, mlp="swiglu")).decoder.h[0].mlp
+    n = [sum(p.numel() for p in m.parameters()) for m in (gelu, swiglu)]
+    assert swiglu.c_proj.in_features == 2048 and n[0] == n[1]
+
+
+def test_residual_projections_start_smaller_than_other_weights():
+    model = model_of(n_layer=8, n_embd=256, n_head=4)
+    proj = model.decoder.h[0].attn.c_proj.weight.std().item()
+    assert abs(model.decoder.h[0].attn.c_q.weight.std().item() - 0.02) < 0.002
+    assert abs(proj - 0.02 / math.sqrt(16)) < 0.001
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixture of experts
+
+def test_moe_output_is_the_gate_weighted_sum_of_the_chosen_experts():
+    model = model_of(n_expert=4, expert_top_k=2)
+    moe = model.decoder.h[0].mlp
+    x = torch.randn(2, 5, 32)
+    probs = moe.router(x).softmax(-1)
+    w, e = probs.topk(2, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    want = torch.zeros_like(x)
+    for b, t, j in itertools.product(range(2), range(5), range(2)):
+        want[b, t] += w[b, t, j] * moe.experts[e[b, t, j]](x[b, t])
+    torch.testing.assert_close(moe(x), want)
+
+
+def test_moe_balance_loss_is_one_when_routing_is_uniform_and_is_added_to_the_loss():
+    model = model_of(n_expert=4, expert_top_k=1, moe_aux_weight=0.5)
+    moe = model.decoder.h[0].mlp
+    nn.init.zeros_(moe.router.weight)  # every expert equally likely...
+    x = torch.randn(1, 8, 32)
+    moe(x)
+    # ...and topk picks expert 0 for all: share (1, 0, 0, 0) . probs (1/4 each) * 4 = 1
+    assert abs(moe.aux_loss.item() - 1.0) < 1e-6
+    idx, _ = inputs(dict(arch="decoder"))
+    logits, loss = model(idx, idx)
+    ce = F.cross_entropy(logits.view(-1, V), idx.view(-1))
+    aux = sum(b.mlp.aux_loss for b in model.decoder.h)
+    torch.testing.assert_close(loss, ce + 0.5 * aux)
+
+
+# ----------------------------------------------------------------------------------------------
+# Learning
+
+def task(arch, n=8, T=12, seed=0):
+    """A fixed batch for each architecture: next-token, masked-token, or copy-the-source."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, V - 1, (n, T), generator=g)
+    if arch == "decoder":
+        return dict(idx=x[:, :-1], targets=x[:, 1:])
+    if arch == "encoder":
+        masked = torch.rand(n, T, generator=g) < 0.3
+        return dict(idx=x.masked_fill(masked, V - 1), targets=x.masked_fill(~masked, -100))
+    start = torch.zeros(n, 1, dtype=torch.long)  # token 0 starts the decoder
+    return dict(src=x, idx=torch.cat((start, x[:, :-1]), 1), targets=x)
+
+
+@pytest.mark.parametrize("kw", [MATRIX[i] for i in (0, 4, 8, 9, 13, 14, 15)], ids=config_id)
+def test_each_architecture_drives_the_loss_on_a_fixed_batch_below_0_1(kw):
+    torch.manual_seed(0)
+    model = Transformer(tiny(n_embd=64, **kw))
+    batch = task(kw["arch"])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(300):
+        logits, loss = model(**batch)
+        if loss.item() < 0.05:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1, f"loss {loss.item():.3f} after {step} steps"
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+
+def test_sampling_follows_temperature_top_k_and_top_p():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
+    freq = torch.bincount(sample(logits).view(-1), minlength=4) / 20000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), rtol=0, atol=0.015)
+    top2 = torch.bincount(sample(logits, top_k=2).view(-1), minlength=4) / 20000
+    torch.testing.assert_close(top2, torch.tensor([0.625, 0.375, 0, 0]), rtol=0, atol=0.015)
+    nucleus = torch.bincount(sample(logits, top_p=0.7).view(-1), minlength=4) / 20000  # 0.5 + 0.3 cover 0.7
+    torch.testing.assert_close(nucleus, torch.tensor([0.625, 0.375, 0, 0]), rtol=0, atol=0.015)
+    assert (sample(logits, top_p=0.4) == 0).all()  # the top token alone covers 0.4
+    assert (sample(logits, temperature=0) == 0).all()
+    hot = torch.bincount(sample(logits, temperature=100.0).view(-1), minlength=4) / 20000
+    assert hot.min() > 0.2  # a high temperature flattens towards uniform
+
+
+def test_same_seed_same_text():
+    model = model_of(pos="rope")
+    idx = torch.zeros(2, 1, dtype=torch.long)
+    torch.manual_seed(7)
+    a = model.generate(idx, 20, temperature=1.0, top_k=10)
+    torch.manual_seed(7)
+    assert torch.equal(a, model.generate(idx, 20, temperature=1.0, top_k=10))
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad configs
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(n_embd=30, n_head=4), "n_embd=30 is not divisible by n_head=4"),
+    (dict(n_head=6, n_kv_head=4, n_embd=36), r"n_kv_head among \[1, 2, 3, 6\]"),
+    (dict(pos="rope", n_embd=36, n_head=4), "head_size=9 must be even"),
+    (dict(pos="rotary"), "pos='rotary' is not known: choose one of 'learned'"),
+    (dict(arch="gpt"), "'decoder', 'encoder', 'encoder-decoder'"),
+    (dict(norm="batchnorm"), "'layernorm', 'rmsnorm'"),
+    (dict(mlp="tanh"), "'swiglu'"),
+    (dict(attn_impl="flash"), "'math'"),
+    (dict(n_expert=2, expert_top_k=3), "expert_top_k=3 must lie between 1 and n_expert=2"),
+    (dict(window=-1), "window=-1"),
+    (dict(dropout=1.5), r"dropout=1.5 must lie in \[0, 1\)"),
+    (dict(n_layer=0), "n_layer=0 must be a positive integer"),
+])
+def test_bad_configs_raise_value_error_saying_what_to_change(kw, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**kw)
+
+
+def test_learned_positions_refuse_sequences_longer_than_block_size():
+    with pytest.raises(ValueError, match="longer than block_size=16"):
+        model_of()(torch.zeros(1, 17, dtype=torch.long))
