@@ -483,10 +483,19 @@ class Transformer(nn.Module):
         self.decoder.cache_valid = None
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None):
-        """Continue idx (B, T) by max_new_tokens sampled tokens, feeding one token per step through the
-        KV cache. temperature=0 is greedy. An encoder-decoder encodes src once and decodes from idx
-        (a start token). Returns (B, T + max_new_tokens)."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
+                 vocab_limit=None):
+        """Continue idx (B, T) by max_new_tokens sampled tokens -> (B, T + max_new_tokens).
+        temperature=0 is greedy. An encoder-decoder encodes src (B, S) once and decodes from idx
+        (its start token). Only ids below vocab_limit are drawn (vocab_size is often padded)."""
+        new = self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p, src, src_mask, vocab_limit)
+        return torch.cat([idx, *new], dim=1)
+
+    @torch.no_grad()
+    def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None,
+                        src_mask=None, vocab_limit=None):
+        """Yield each new token (B, 1) as soon as it is sampled. After a prefill of idx, each step
+        feeds only the newest token, through the KV cache."""
         c = self.config
         if c.arch == "encoder":
             raise ValueError("an encoder does not generate: fill masked tokens with one forward pass")
@@ -511,7 +520,8 @@ class Transformer(nn.Module):
         try:
             logits = prefill(idx[:, -c.block_size:] if c.pos == "learned" else idx)
             for i in range(max_new_tokens):
-                idx_next = sample(logits[:, -1], temperature, top_k, top_p)  # (B, 1)
+                idx_next = sample(logits[:, -1, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
+                yield idx_next
                 idx = torch.cat((idx, idx_next), dim=1)
                 if i == max_new_tokens - 1:
                     break
@@ -524,7 +534,6 @@ class Transformer(nn.Module):
                     logits = self(idx_next, src_mask=src_mask, input_pos=pos)[0]
         finally:
             self.clear_kv_cache()
-        return idx
 
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None):

