@@ -224,7 +224,8 @@ def flops_per_token(model, T):
     heads * head_size * T, per stack. Position tables count no weight FLOPs."""
     c = model.config
     skip = ("wpe", "wte", "lm_head")  # lookups cost nothing; the output layer is added once below
-    n = sum(p.numel() for name, p in model.named_parameters() if not any(s in name for s in skip))
+    n = sum(p.numel() * (c.expert_top_k / c.n_expert if ".experts." in name else 1)  # a token uses k experts
+            for name, p in model.named_parameters() if not any(s in name for s in skip))
     n += c.vocab_size * c.n_embd  # the output layer, whether it shares the embedding's matrix or not
     stacks = 1 + (c.arch == "encoder-decoder")
     return 6 * n + stacks * 12 * c.n_layer * c.n_head * c.head_size * T
