@@ -15,16 +15,19 @@ One config expresses GPT-2, BERT, T5, Llama and the original Transformer:
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
+
 ARCHS = ("decoder", "encoder", "encoder-decoder")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "swiglu", "geglu")
-ATTN_IMPLS = ("auto", "sdpa", "math")
+ATTN_IMPLS = ("auto", "triton", "sdpa", "math")
 
 
 @dataclass
@@ -54,7 +57,7 @@ class ModelConfig:
     bias: bool = True  # biases in Linear and LayerNorm (GPT-2, BERT: True; Llama, T5: False)
     dropout: float = 0.0
     tie_embeddings: bool = True  # the output layer reuses the token embedding matrix
-    attn_impl: str = "auto"  # "auto" (fastest available), "sdpa" (torch's fused kernels), "math"
+    attn_impl: str = "auto"  # "auto" (fastest here), "triton" (kernels.py), "sdpa" (torch's), "math"
 
     def __post_init__(self):
         for name, choices in [("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS),
@@ -92,6 +95,11 @@ class ModelConfig:
             raise ValueError(f"window={self.window} must be 0 (full attention) or a positive span")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must lie in [0, 1)")
+        if self.attn_impl == "triton" and self.pos == "relative":
+            raise ValueError("the Triton kernel has no T5 relative bias: use attn_impl='auto' or 'sdpa' with it")
+        if self.attn_impl == "triton" and self.dropout:
+            raise ValueError("the Triton kernel does not drop attention weights: set dropout=0, or use "
+                             "attn_impl='auto', which takes the kernel whenever dropout is off")
         if self.rope_scaling <= 0 or self.rope_theta <= 0:
             raise ValueError("rope_theta and rope_scaling must be positive (rope_scaling=1 means no scaling)")
 
@@ -157,15 +165,38 @@ def relative_bucket(offset, bidirectional, num_buckets, max_distance):
 # ----------------------------------------------------------------------------------------------
 # Attention
 
-def attention(q, k, v, bias=None, causal=False, dropout=0.0, impl="sdpa"):
-    """softmax(q kᵀ / sqrt(hs) + bias) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs).
+class Mask(NamedTuple):
+    """Which keys each query may see. The queries are the last Tq of the Tk key positions (new
+    tokens after a KV cache). The Triton kernel takes the pieces and applies them block by block;
+    SDPA and the math path take them built into one dense additive `bias` (B|1, nh|1, Tq, Tk) that
+    holds the position bias where a query may look and -inf where not (see Stack.attn_bias)."""
+    causal: bool = False
+    window: int = 0  # see only keys fewer than `window` positions away
+    alibi: torch.Tensor | None = None  # (nh,) ALiBi slopes
+    valid: torch.Tensor | None = None  # (B, Tk) False for padding keys
+    bias: torch.Tensor | None = None  # the dense form; None when `causal` alone (or nothing) applies
+
+
+def attn_impl(config, device, training):
+    """The attention path: the Triton kernel on CUDA where it applies (no relative bias, no
+    attention dropout), else torch's SDPA; or what the config asks for."""
+    if config.attn_impl != "auto":
+        return config.attn_impl
+    kernel_fits = config.pos != "relative" and not (training and config.dropout)
+    return "triton" if device.type == "cuda" and kernels.available and kernel_fits else "sdpa"
+
+
+def attention(q, k, v, mask, impl="sdpa", dropout=0.0):
+    """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs).
     Each group of nh / n_kv_head query heads shares one key/value head (grouped-query attention).
-    `bias` (B|1, nh|1, Tq, Tk) holds position biases and -inf where a query may not look; `causal`
-    (with no bias) lets fused kernels mask the future themselves. Returns the output (B, nh, Tq, hs)
-    and, on the math path, the attention weights (B, nh, Tq, Tk)."""
-    if bias is not None:
-        bias = bias.to(q.dtype)
-    if impl != "math":
+    Returns the output (B, nh, Tq, hs) and, on the math path, the weights (B, nh, Tq, Tk)."""
+    if impl == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
+        y = kernels.flash_attention(q, k, v, causal=mask.causal, window=mask.window,
+                                    alibi_slopes=mask.alibi, key_padding_mask=mask.valid)
+        return y, None
+    bias = None if mask.bias is None else mask.bias.to(q.dtype)
+    causal = mask.causal and bias is None
+    if impl == "sdpa":
         # fused kernels (flash attention when causal and unbiased) never build the Tq x Tk matrix
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
                                            is_causal=causal, enable_gqa=True)
@@ -179,6 +210,11 @@ def attention(q, k, v, bias=None, causal=False, dropout=0.0, impl="sdpa"):
         att = att + bias
     att = att.softmax(dim=-1).type_as(q)
     return F.dropout(att, dropout) @ v, att
+
+
+def padding_bias(valid):
+    """(B, S) key validity -> (B, 1, 1, S) additive bias: 0 for real keys, -inf for padding."""
+    return torch.zeros(valid.shape, device=valid.device).masked_fill(~valid, float("-inf"))[:, None, None, :]
 
 
 class KVCache(nn.Module):
@@ -204,16 +240,15 @@ class Attention(nn.Module):
     """Multi-head attention: self-attention over x, or cross-attention from x to an encoder's output.
     Only n_kv_head key/value heads are projected and cached (GQA/MQA)."""
 
-    def __init__(self, config, causal=False, cross=False):
+    def __init__(self, config, cross=False):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_size = config.n_head, config.n_kv_head, config.head_size
-        self.causal, self.cross = causal and not cross, cross
+        self.cross = cross
         self.c_q = nn.Linear(config.n_embd, config.n_head * config.head_size, bias=config.bias)
         self.c_kv = nn.Linear(config.n_embd, 2 * config.n_kv_head * config.head_size, bias=config.bias)
         self.c_proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
-        self.dropout = config.dropout
+        self.config = config
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.impl = "sdpa" if config.attn_impl == "auto" else config.attn_impl
         self.kv_cache = None  # set by Transformer.setup_kv_cache: a KVCache, or (k, v) of the memory
         self.att = None  # the last attention weights, kept on the math path for inspection
 
@@ -222,7 +257,7 @@ class Attention(nn.Module):
         kv = self.c_kv(x).view(B, T, 2, self.n_kv_head, self.head_size)
         return kv.permute(2, 0, 3, 1, 4).unbind(0)  # k, v: (B, n_kv_head, T, hs)
 
-    def forward(self, x, bias=None, rope=None, memory=None):
+    def forward(self, x, mask=Mask(), rope=None, memory=None):
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         if self.cross:  # keys and values of the encoder's output: computed once when generating
@@ -233,8 +268,8 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if self.kv_cache is not None:
                 k, v = self.kv_cache(k, v)
-        dropout = self.dropout if self.training else 0.0
-        y, att = attention(q, k, v, bias, self.causal and bias is None, dropout, self.impl)
+        dropout = self.config.dropout if self.training else 0.0
+        y, att = attention(q, k, v, mask, attn_impl(self.config, x.device, self.training), dropout)
         if att is not None:
             self.att = att.detach()
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size)  # heads side by side
@@ -312,20 +347,20 @@ class Block(nn.Module):
     """Self-attention, cross-attention (decoder of an encoder-decoder), feed-forward: each a
     residual branch with its norm."""
 
-    def __init__(self, config, causal, cross=False):
+    def __init__(self, config, cross=False):
         super().__init__()
         self.norm_first = config.norm_first
         self.ln_1 = make_norm(config)
-        self.attn = Attention(config, causal=causal)
+        self.attn = Attention(config)
         self.ln_cross = make_norm(config) if cross else None
         self.cross_attn = Attention(config, cross=True) if cross else None
         self.ln_2 = make_norm(config)
         self.mlp = MoE(config) if config.n_expert else MLP(config)
 
-    def forward(self, x, bias=None, rope=None, memory=None, memory_bias=None):
-        x = self.residual(x, self.ln_1, lambda h: self.attn(h, bias, rope))
+    def forward(self, x, mask=Mask(), rope=None, memory=None, memory_mask=Mask()):
+        x = self.residual(x, self.ln_1, lambda h: self.attn(h, mask, rope))
         if self.cross_attn is not None:
-            x = self.residual(x, self.ln_cross, lambda h: self.cross_attn(h, memory_bias, memory=memory))
+            x = self.residual(x, self.ln_cross, lambda h: self.cross_attn(h, memory_mask, memory=memory))
         return self.residual(x, self.ln_2, self.mlp)
 
     def residual(self, x, norm, f):
@@ -347,7 +382,7 @@ class Stack(nn.Module):
         if config.pos == "alibi":
             self.register_buffer("slopes", torch.tensor(alibi_slopes(config.n_head)), persistent=False)
         self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList(Block(config, causal, cross) for _ in range(config.n_layer))
+        self.h = nn.ModuleList(Block(config, cross) for _ in range(config.n_layer))
         self.ln_f = make_norm(config)
         self.cache_valid = None  # (B, S) while generating: which cached positions hold real tokens
 
@@ -365,14 +400,17 @@ class Stack(nn.Module):
             new = valid if valid is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
             valid = torch.cat((self.cache_valid, new), dim=1)
             self.cache_valid.copy_(valid[:, -self.cache_valid.size(1):])
-        bias = self.attn_bias(x.size(1), x.size(1) if valid is None else valid.size(1), valid, x.device)
+        # what each query may see; cross-attention sees every real encoder position
+        if attn_impl(c, x.device, self.training) == "triton":  # the kernel masks block by block
+            mask = Mask(self.causal, c.window, self.slopes if c.pos == "alibi" else None, valid)
+            memory_mask = Mask(valid=memory_valid)
+        else:  # SDPA and the math path take one dense bias
+            T = x.size(1)
+            mask = Mask(self.causal, bias=self.attn_bias(T, T if valid is None else valid.size(1), valid, x.device))
+            memory_mask = Mask(bias=None if memory_valid is None else padding_bias(memory_valid))
         cos_sin = rope(pos, c.head_size, c.rope_theta, c.rope_scaling) if c.pos == "rope" else None
-        memory_bias = None
-        if memory_valid is not None:  # cross-attention sees every real encoder position
-            memory_bias = torch.zeros(memory_valid.shape, device=x.device).masked_fill(~memory_valid, float("-inf"))
-            memory_bias = memory_bias[:, None, None, :]  # (B, 1, 1, S)
         for block in self.h:
-            x = block(x, bias, cos_sin, memory, memory_bias)
+            x = block(x, mask, cos_sin, memory, memory_mask)
         return self.ln_f(x) if c.norm_first else x
 
     def attn_bias(self, Tq, Tk, valid, dev):

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (ARCHS, POSITIONS, KVCache, ModelConfig, Transformer, alibi_slopes, apply_rope,
+from model import (ARCHS, POSITIONS, KVCache, Mask, ModelConfig, Transformer, alibi_slopes, apply_rope,
                    attention, relative_bucket, rope, sample, sinusoidal)
 
 V = 61  # a small vocabulary, not a power of two
@@ -177,7 +177,7 @@ def test_n_kv_head_equal_to_n_head_is_exactly_multi_head_attention():
         mha.out_proj.bias.copy_(ours.c_proj.bias)
     x = torch.randn(3, 9, cfg.n_embd)
     future = torch.ones(9, 9, dtype=torch.bool).triu(1)
-    torch.testing.assert_close(ours(x), mha(x, x, x, attn_mask=future, need_weights=False)[0])
+    torch.testing.assert_close(ours(x, Mask(causal=True)), mha(x, x, x, attn_mask=future, need_weights=False)[0])
 
 
 def test_grouped_query_attention_equals_multi_head_with_shared_key_value_heads():
@@ -214,7 +214,7 @@ def test_attention_function_matches_softmax_formula_with_bias():
     bias = torch.randn(2, 4, 5, 7)
     want = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + bias, -1) @ v
     for impl in ("sdpa", "math"):
-        torch.testing.assert_close(attention(q, k, v, bias, impl=impl)[0], want)
+        torch.testing.assert_close(attention(q, k, v, Mask(bias=bias), impl)[0], want)
 
 
 @pytest.mark.parametrize("arch", ["encoder", "encoder-decoder"])
@@ -450,6 +450,8 @@ def test_same_seed_same_text():
     (dict(window=-1), "window=-1"),
     (dict(dropout=1.5), r"dropout=1.5 must lie in \[0, 1\)"),
     (dict(n_layer=0), "n_layer=0 must be a positive integer"),
+    (dict(attn_impl="triton", pos="relative"), "no T5 relative bias: use attn_impl='auto' or 'sdpa'"),
+    (dict(attn_impl="triton", dropout=0.1), "does not drop attention weights: set dropout=0"),
 ])
 def test_bad_configs_raise_value_error_saying_what_to_change(kw, message):
     with pytest.raises(ValueError, match=message):
