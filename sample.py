@@ -59,7 +59,7 @@ def load(cfg, device):
     path = os.path.join(cfg.out_dir, "best.pt" if cfg.ckpt == "best" else "ckpt.pt")
     if cfg.ckpt == "best" and not os.path.exists(path):
         path = os.path.join(cfg.out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(path, device)
+    ckpt = load_checkpoint(path, device, other="--ckpt=latest" if cfg.ckpt == "best" else "--ckpt=best")
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), Tokenizer(ckpt["meta"]), ckpt["tokens"]
@@ -78,9 +78,12 @@ def main(argv):
     prompt = cfg.start
     if prompt.startswith("FILE:"):
         if not os.path.isfile(prompt[5:]):
-            raise UsageError(f"prompt file {prompt[5:]!r} not found")
-        with open(prompt[5:], encoding="utf-8") as f:
-            prompt = f.read()
+            raise UsageError(f"prompt file {prompt[5:]!r} not found: check the path after FILE:")
+        try:
+            with open(prompt[5:], encoding="utf-8") as f:
+                prompt = f.read()
+        except UnicodeDecodeError:
+            raise UsageError(f"prompt file {prompt[5:]!r} is not UTF-8 text: convert it first") from None
     unknown = tok.unknown(prompt.replace(MASK, ""))
     if unknown:
         raise UsageError(f"the prompt has characters the model's vocabulary lacks: {''.join(unknown)!r}; "

@@ -515,6 +515,10 @@ def main(argv):
         spread = torch.stack((flat, -flat))
         dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         log(f"ranks agree: max parameter difference {(spread[0] + spread[1]).max().item():.3g}")
+        # let go of DDP's reducer and wait for every rank before tearing down: gloo threads still
+        # holding Python objects at interpreter exit abort the process (SIGABRT) now and then
+        del model
+        dist.barrier()
         dist.destroy_process_group()
     log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}, {time.time() - t_start:.1f} s")
 

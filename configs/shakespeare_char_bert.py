@@ -6,23 +6,10 @@
 # iterations, unigram entropy 3.33); with RoPE it reached 2.02 after 600.
 # python train.py configs/shakespeare_char_bert.py
 # python sample.py --out_dir=out-shakespeare-char-bert --start="To be, or not to be, that is the qu[MASK][MASK][MASK][MASK][MASK]"
+from configs.shakespeare_char_cpu import *  # the CPU baseline; what differs follows
+
 out_dir = "out-shakespeare-char-bert"
-dataset = "shakespeare_char"
-device = "cpu"
 arch = "encoder"
 norm_first = False  # BERT normalises after each residual addition
 pos = "rope"
-eval_interval = 250
-eval_iters = 20
-log_interval = 50
-batch_size = 12
-block_size = 64
-n_layer = 4
-n_head = 4
-n_embd = 128
-learning_rate = 1e-3
 warmup_iters = 200  # post-norm wants a gentler start than pre-norm
-max_iters = 2000
-lr_decay_iters = 2000
-min_lr = 1e-4
-beta2 = 0.99
