@@ -280,14 +280,18 @@ def save_atomic(obj, path):
         os.close(dirfd)
 
 
-def load_checkpoint(path, device):
+def load_checkpoint(path, device, other="best.pt"):
+    """A checkpoint written by save_atomic, or a one-line UsageError that says what to do instead."""
     if not os.path.exists(path):
         raise UsageError(f"no checkpoint at {path}: train first, or point --out_dir at a run")
     try:
-        return torch.load(path, map_location=device, weights_only=False)
+        ckpt = torch.load(path, map_location=device, weights_only=False)
     except Exception as e:
-        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:80]}): "
-                         "it may be truncated; use best.pt or start again") from None
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): it is truncated or "
+                         f"corrupted; try {other}, or start a new run in another out_dir") from None
+    if not isinstance(ckpt, dict) or not {"model", "model_config", "iter_num"} <= ckpt.keys():
+        raise UsageError(f"{path} is not a nanoformer checkpoint (it lacks the model or its config)")
+    return ckpt
 
 
 def rng_state(device):
