@@ -268,6 +268,7 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
     total = sum(size for _, size in inputs)
     if total == 0:
         raise PrepareError(f"the input ({', '.join(paths)}) is empty: give files that hold text")
+    created = not os.path.isdir(out)
     try:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, ".write-test"), "wb"):
@@ -275,7 +276,22 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
         os.remove(os.path.join(out, ".write-test"))
     except OSError as e:
         raise PrepareError(f"cannot write to {out} ({e.strerror}): choose another --data_dir") from None
+    try:
+        write_dataset(out, paths, total, tokenizer, workers or min(8, os.cpu_count() or 1),
+                      dict(source=source, inputs=inputs))
+    except BaseException:  # bad input found midway, or Ctrl-C: leave nothing half made
+        for split in ("train", "val"):
+            if os.path.exists(os.path.join(out, f"{split}.bin.tmp")):
+                os.remove(os.path.join(out, f"{split}.bin.tmp"))
+        if created and not os.listdir(out):
+            os.rmdir(out)
+        raise
+    return out
 
+
+def write_dataset(out, paths, total, tokenizer, workers, about):
+    """Tokenize the text in paths into out/{train,val}.bin, then write meta.json (last: done)."""
+    start = time.time()
     if tokenizer == "char":  # a first pass collects the alphabet
         chars = set()
         for _, text in read_text(paths, total):
@@ -293,11 +309,12 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
             return [np.searchsorted(codepoints, np.frombuffer(t.encode("utf-32-le"), np.uint32)) for t in pieces]
         return pool.map(_encode_gpt2, pieces)
 
-    files = {s: open(os.path.join(out, f"{s}.bin.tmp"), "wb") for s in ("train", "val")}
-    counts, digests, source_hash = {"train": 0, "val": 0}, {s: hashlib.sha256() for s in files}, hashlib.sha256()
-    done, start, last = 0, time.time(), 0.0
-    workers = workers or min(8, os.cpu_count() or 1)
-    with Pool(workers) if tokenizer == "gpt2" else nullpool() as pool:
+    counts = {"train": 0, "val": 0}
+    digests, source_hash = {s: hashlib.sha256() for s in counts}, hashlib.sha256()
+    done, last = 0, 0.0
+    with open(os.path.join(out, "train.bin.tmp"), "wb") as train_f, open(os.path.join(out, "val.bin.tmp"), "wb") as val_f, \
+            Pool(workers) if tokenizer == "gpt2" else nullpool() as pool:
+        files = dict(train=train_f, val=val_f)
         for split, texts in batches(read_text(paths, total), 4 * workers):  # bounded memory
             for text, ids in zip(texts, encode_all(texts, pool)):
                 data = ids.astype(dtype).tobytes()
@@ -310,19 +327,17 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
                 last = time.time()
                 print(f"\r{done / 1e6:,.1f} / {total / 1e6:,.1f} MB, {sum(counts.values()):,} tokens, "
                       f"{done / 1e6 / (last - start):.1f} MB/s", end="", file=sys.stderr)
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
     print(file=sys.stderr)
-    for split, f in files.items():
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(f.name, os.path.join(out, f"{split}.bin"))
-    meta.update(dtype=np.dtype(dtype).name, train_tokens=counts["train"], val_tokens=counts["val"],
-                source=source, inputs=inputs,
+    for split in ("train", "val"):
+        os.replace(os.path.join(out, f"{split}.bin.tmp"), os.path.join(out, f"{split}.bin"))
+    meta.update(dtype=np.dtype(dtype).name, train_tokens=counts["train"], val_tokens=counts["val"], **about,
                 sha256=dict(source=source_hash.hexdigest(), **{f"{s}.bin": d.hexdigest() for s, d in digests.items()}))
     write_atomic(os.path.join(out, "meta.json"), json.dumps(meta, indent=1).encode())  # last: marks it done
     print(f"{out}: {counts['train']:,} train and {counts['val']:,} val tokens ({meta['tokenizer']}, "
           f"vocabulary {meta['vocab_size']:,}) in {time.time() - start:.1f} s", file=sys.stderr)
-    return out
 
 
 class nullpool:  # stands in for a Pool where one process does the work

@@ -13,9 +13,11 @@ architecture: next-token prediction (decoder), masked LM (encoder), T5 span corr
 
 import ast
 import difflib
+import gc
 import json
 import math
 import os
+import signal
 import sys
 import time
 import types
@@ -59,6 +61,7 @@ class TrainConfig:
     eval_only: bool = False
     log_interval: int = 10
     always_save_checkpoint: bool = True  # ckpt.pt at every eval; best.pt only when val improves
+    max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss
     # objectives of the encoder (masked LM) and the encoder-decoder (span corruption)
     mask_prob: float = 0.15
     noise_density: float = 0.15
@@ -190,6 +193,13 @@ def span_corrupt(x, gen, tokens, noise_density=0.15, mean_span=3.0):
     target = torch.cat((replace_runs(~noise), torch.full((B, 1), tokens["sentinel"] + n_spans)), dim=1)
     start = torch.full((B, 1), tokens["start"])
     return dict(src=src, idx=torch.cat((start, target[:, :-1]), dim=1), targets=target)
+
+
+def batch_rng(*key):
+    """A generator seeded by key, e.g. (seed, iteration, micro-step): every batch is a function of
+    where it falls in the run, so resuming needs no saved data state, and the global batch is the
+    same whatever the number of processes it is split over."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
 
 
 def get_batch(data, arch, batch_size, block_size, gen, tokens, data_vocab, cfg):
@@ -342,15 +352,12 @@ def main(argv):
     # distributed: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
     ddp = "RANK" in os.environ
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")) if ddp else (0, 0, 1)
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
     device = pick_device(cfg.device)
     if ddp and device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if ddp:
-        backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
     if cfg.gradient_accumulation_steps % world:
         raise UsageError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
                          f"the {world} processes: make it a multiple of {world}")
@@ -360,6 +367,8 @@ def main(argv):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    if master:  # find out now, not at the first checkpoint hours later
+        prepare_out_dir(cfg.out_dir)
 
     # data
     data_path = os.path.join(cfg.data_dir, cfg.dataset)
@@ -384,6 +393,9 @@ def main(argv):
             k, (want, have) = next(iter(clash.items()))
             raise UsageError(f"--{k}={want!r} does not match the checkpoint's {k}={have!r}: drop it to resume, "
                              "or use another --out_dir to start a new run")
+        if ckpt["meta"]["vocab_size"] != meta["vocab_size"] or ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
+            raise UsageError(f"{ckpt_path} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
+                             f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with its --dataset")
         model_config = ModelConfig(**saved)
     elif cfg.init_from == "scratch":
         try:
@@ -397,24 +409,23 @@ def main(argv):
         if len(d) <= model_config.block_size + 1:
             raise UsageError(f"{split}.bin of {cfg.dataset} holds {len(d)} tokens, fewer than block_size="
                              f"{model_config.block_size} + 2: lower --block_size or use more text")
-    torch.manual_seed(cfg.seed + rank)
+
+    if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
+        backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+    torch.manual_seed(cfg.seed + rank)  # each rank its own dropout; DDP copies rank 0's weights to all
     model = Transformer(model_config).to(device)
     raw_model = model
     optimizer = configure_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num, best_val_loss = 0, float("inf")
-    gen = torch.Generator().manual_seed(cfg.seed + rank)  # this rank's data order and masking
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        if len(ckpt["data_rng"]) == world:  # the same ranks carry on with their own data streams
-            gen.set_state(ckpt["data_rng"][rank])
+        if len(ckpt["rng"]) == world:  # each rank carries on with its own dropout stream
             set_rng_state(ckpt["rng"][rank], device)
-        else:
-            log(f"resuming on {world} processes, saved from {len(ckpt['data_rng'])}: data order is reseeded")
-            gen.manual_seed(cfg.seed + rank + 1000 * iter_num)
         del ckpt
     if cfg.compile:
         model = torch.compile(model)
@@ -436,40 +447,57 @@ def main(argv):
             return {k: v.pin_memory().to(device, non_blocking=True) for k, v in b.items()}
         return {k: v.to(device) for k, v in b.items()}
 
+    def all_ranks(x, op=dist.ReduceOp.SUM):
+        """x (a tensor) reduced over the ranks; x itself without DDP."""
+        if ddp:
+            dist.all_reduce(x, op=op)
+        return x
+
     @torch.no_grad()
     def evaluate():
         """Mean loss over eval_iters batches per split and rank (the same batches at every eval),
         averaged over the ranks."""
         model.eval()
         out = {}
-        for i, split in enumerate(("train", "val")):
-            g = torch.Generator().manual_seed(cfg.seed + 7919 * (rank + 1) + i)
+        for split in ("train", "val"):
             losses = torch.zeros(cfg.eval_iters, device=device)
             for k in range(cfg.eval_iters):
                 with autocast:
-                    losses[k] = model(**batch(split, g))[1]
-            mean = losses.mean()
-            if ddp:
-                dist.all_reduce(mean)
-                mean /= world
-            out[split] = mean.item()
+                    losses[k] = model(**batch(split, batch_rng(cfg.seed, split == "val", rank, k)))[1]
+            out[split] = all_ranks(losses.mean()).item() / world
         model.train()
         return out
 
     def save(path):
-        states = [gen.get_state()], [rng_state(device)]
-        if ddp:  # every rank's data and dropout state, so that each resumes where it stopped
-            states = [None] * world, [None] * world
-            dist.all_gather_object(states[0], gen.get_state())
-            dist.all_gather_object(states[1], {k: v.cpu() for k, v in rng_state(device).items()})
+        """Write a checkpoint, unless the weights are broken (then the last good one stays)."""
+        if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
+            log(f"not saving {path}: the weights are not finite; it keeps its last good state")
+            return False
+        states = [rng_state(device)]
+        if ddp:  # every rank's dropout state, so that each resumes where it stopped
+            states = [None] * world
+            dist.all_gather_object(states, {k: v.cpu() for k, v in rng_state(device).items()})
         if master:
             save_atomic(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
                              model_config=asdict(model_config), train_config=asdict(cfg), iter_num=iter_num,
-                             best_val_loss=best_val_loss, data_rng=states[0], rng=states[1], tokens=tokens,
-                             meta=meta), path)
+                             best_val_loss=best_val_loss, rng=states, tokens=tokens, meta=meta), path)
+        return True
 
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    start_iter = saved_at = iter_num
+    # SIGINT (Ctrl-C) or SIGTERM (a scheduler, torchrun) ends the run at the next iteration with a
+    # checkpoint; a second Ctrl-C stops at once
+    stop = []
+    def on_signal(signum, frame):
+        stop.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
+
+    start_iter = iter_num
+    saved_at = iter_num if cfg.init_from == "resume" else None  # what ckpt.pt holds
+
+    def kept():
+        return "no checkpoint was written" if saved_at is None else f"{ckpt_path} keeps iteration {saved_at}"
+    bad_steps = skipped = 0
     t0 = t_start = time.time()
     while True:
         lr = learning_rate(iter_num, cfg)
@@ -478,23 +506,46 @@ def main(argv):
         if iter_num % cfg.eval_interval == 0 and (iter_num > start_iter or iter_num == 0 or cfg.eval_only):
             losses = evaluate()
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            if losses["val"] < best_val_loss:
-                best_val_loss = losses["val"]
-                save(os.path.join(cfg.out_dir, "best.pt"))
-            if cfg.always_save_checkpoint and iter_num > 0:
-                save(ckpt_path)
-                saved_at = iter_num
+            if not math.isfinite(losses["val"]):
+                log(f"the val loss is not finite: no checkpoint written ({kept()})")
+            else:
+                if losses["val"] < best_val_loss:
+                    best_val_loss = losses["val"]
+                    save(os.path.join(cfg.out_dir, "best.pt"))
+                if cfg.always_save_checkpoint and save(ckpt_path):
+                    saved_at = iter_num
             t0 = time.time()  # evaluation is not training time
+        if all_ranks(torch.tensor(float(bool(stop)), device=device), dist.ReduceOp.MAX).item():  # together
+            if iter_num != saved_at and save(ckpt_path):
+                saved_at = iter_num
+            name = signal.Signals(stop[0]).name if stop else "a signal to another rank"
+            log(f"stopped by {name} at iteration {iter_num}: {kept()}; resume with --init_from=resume")
+            return 128 + (stop[0] if stop else signal.SIGTERM)
         if cfg.eval_only or iter_num >= cfg.max_iters:
             break
 
-        for micro in range(accum):
-            b = batch("train", gen)
+        step_loss = torch.zeros((), device=device)
+        for micro in range(accum):  # this rank's share of the global batch's micro-steps
+            b = batch("train", batch_rng(cfg.seed, iter_num, rank * accum + micro))
             if ddp:  # average gradients across ranks only on the last micro-step
                 model.require_backward_grad_sync = micro == accum - 1
             with autocast:
                 _, loss = model(**b)
             scaler.scale(loss / accum).backward()
+            step_loss += loss.detach() / accum
+        # a non-finite loss (a spike, an overflow) would poison the weights: skip the step instead
+        if not all_ranks(torch.isfinite(step_loss).float(), dist.ReduceOp.MIN).item():
+            optimizer.zero_grad(set_to_none=True)
+            bad_steps, skipped = bad_steps + 1, skipped + 1
+            log(f"iter {iter_num}: loss is {step_loss.item()}: step skipped ({bad_steps} in a row)")
+            if bad_steps >= cfg.max_bad_steps:
+                if master:
+                    print(f"train.py: stopping: the loss was not finite for {bad_steps} steps in a row; {kept()}: "
+                          "lower learning_rate, raise warmup_iters or set grad_clip", file=sys.stderr)
+                return 1
+            iter_num += 1
+            continue
+        bad_steps = 0
         if cfg.grad_clip:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -508,7 +559,7 @@ def main(argv):
             dt = (time.time() - t0) / cfg.log_interval
             t0 = time.time()
             left = (cfg.max_iters - iter_num) * dt
-            log(f"iter {iter_num}: loss {loss.item():.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
+            log(f"iter {iter_num}: loss {step_loss.item():.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
                 f"{tokens_per_iter / dt:,.0f} tokens/s, mfu {flops_per_iter / dt / peak:.1%}, "
                 f"{time.strftime('%H:%M:%S', time.gmtime(left))} left")
 
@@ -516,15 +567,26 @@ def main(argv):
         save(ckpt_path)  # the final state, unless the last evaluation has just saved it
     if ddp:  # DDP keeps the replicas equal; check it, since a silent divergence would be costly
         flat = torch.cat([p.detach().float().flatten() for p in raw_model.parameters()])
-        spread = torch.stack((flat, -flat))
-        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        spread = all_ranks(torch.stack((flat, -flat)), dist.ReduceOp.MAX)
         log(f"ranks agree: max parameter difference {(spread[0] + spread[1]).max().item():.3g}")
-        # let go of DDP's reducer and wait for every rank before tearing down: gloo threads still
-        # holding Python objects at interpreter exit abort the process (SIGABRT) now and then
-        del model
-        dist.barrier()
-        dist.destroy_process_group()
-    log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}, {time.time() - t_start:.1f} s")
+    log(f"done: {iter_num} iterations ({skipped} skipped), best val loss {best_val_loss:.4f}, "
+        f"{time.time() - t_start:.1f} s")
+    return 0
+
+
+def prepare_out_dir(path):
+    """Make out_dir, check that it takes files, and remove temporary files of a killed save."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test.{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"out_dir {path!r} is not writable ({e.strerror}): choose another --out_dir") from None
+    for name in os.listdir(path):
+        if ".pt.tmp." in name:
+            os.remove(os.path.join(path, name))
 
 
 def configure_optimizer(model, cfg, device):
@@ -538,7 +600,16 @@ def configure_optimizer(model, cfg, device):
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
+        status = main(sys.argv[1:])
     except UsageError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, one line, not one per rank
+            print(f"train.py: error: {e}", file=sys.stderr)
+        status = 2
+    if dist.is_initialized():
+        # release DDP and wait for every rank before tearing down: gloo threads that still hold
+        # Python objects at interpreter exit abort the process (SIGABRT) now and then
+        gc.collect()
+        if status == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    sys.exit(status)

@@ -1,0 +1,259 @@
+"""Bad input gets one line that names the problem and the fix, exit status 2 and no traceback; and
+no failure loses training: atomic checkpoints, signals, exact resume, non-finite losses, DDP."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from test_scripts import HERE, TINY, losses, run, workdir  # noqa: F401  (workdir is a fixture)
+
+
+def one_line_error(result, *fragments):
+    """The run failed with status 2 and a single stderr line holding every fragment."""
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.fixture(scope="module")
+def trained(workdir):  # noqa: F811
+    """A small decoder trained for a few iterations, with its checkpoints."""
+    d, _ = workdir
+    code, _, err = run("train.py", "--dataset=verse", "--out_dir=out-ok", "--max_iters=4", "--eval_interval=2", *TINY,
+                       cwd=d)
+    assert code == 0, err
+    return d
+
+
+# ----------------------------------------------------------------------------------------------
+# prepare.py
+
+@pytest.mark.parametrize("args, fragments", [
+    (["text", "--input", "nothing/*.txt", "--name", "x"], ["matches no file", "quote the glob"]),
+    (["text", "--input", "texts/*.txt"], ["needs --input", "--name"]),
+    (["wikipedia"], ["invalid choice: 'wikipedia'", "--help"]),
+    (["text", "--input", "empty.txt", "--name", "x"], ["is empty"]),
+    (["text", "--input", "latin1.txt", "--name", "x", "--tokenizer", "char"], ["is not UTF-8", "iconv"]),
+    (["text", "--input", "texts/*.txt", "--name", "x", "--data_dir", "texts/part0.txt"], ["cannot write", "--data_dir"]),
+])
+def test_prepare_rejects_bad_input_in_one_line(workdir, args, fragments):  # noqa: F811
+    d, _ = workdir
+    (d / "empty.txt").write_bytes(b"")
+    (d / "latin1.txt").write_bytes("Roméo et Juliette\n".encode("latin-1"))
+    one_line_error(run("prepare.py", *args, cwd=d), *fragments)
+    assert not os.path.exists(d / "data" / "x")
+
+
+# ----------------------------------------------------------------------------------------------
+# train.py
+
+def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F811
+    d, _ = workdir
+    train = lambda *a: run("train.py", "--dataset=verse", "--out_dir=out-bad", *TINY, *a, cwd=d)  # noqa: E731
+    one_line_error(train("--lerning_rate=1e-3"), "unknown setting 'lerning_rate'", "did you mean --learning_rate?")
+    one_line_error(train("--max_iters=many"), "max_iters='many' should be int")
+    one_line_error(train("configs/nope.py"), "config file 'configs/nope.py' not found")
+    (tmp_path / "bad.py").write_text("n_head = 3\n")  # 32 wide is not divisible by 3 heads
+    one_line_error(train(str(tmp_path / "bad.py")), "n_embd=32 is not divisible by n_head=3")
+    one_line_error(train("--dataset=poems"), "dataset 'poems' is not prepared",
+                   "python prepare.py text --input 'your/*.txt' --name poems")
+    one_line_error(train("--init_from=resume", "--out_dir=out-none"), "no checkpoint at out-none/ckpt.pt")
+    one_line_error(train("--out_dir=texts/part0.txt/out"), "is not writable", "choose another --out_dir")
+    if not torch.cuda.is_available():
+        one_line_error(train("--device=cuda"), "--device=cuda but torch sees no CUDA GPU", "--device=cpu")
+
+
+def test_train_rejects_broken_or_mismatched_checkpoints(trained):
+    d = trained
+    train = lambda out, *a: run("train.py", "--dataset=verse", f"--out_dir={out}", "--init_from=resume", *TINY, *a,
+                                cwd=d)  # noqa: E731
+    one_line_error(train("out-ok", "--n_layer=3"), "--n_layer=3 does not match the checkpoint's n_layer=2")
+    whole = (d / "out-ok" / "ckpt.pt").read_bytes()
+    for name, data in [("truncated", whole[: len(whole) // 2]), ("garbage", os.urandom(4096))]:
+        os.makedirs(d / f"out-{name}", exist_ok=True)
+        (d / f"out-{name}" / "ckpt.pt").write_bytes(data)
+        one_line_error(train(f"out-{name}"), "is not a readable checkpoint", "truncated or corrupted")
+
+
+def test_under_torchrun_a_bad_setting_is_reported_once(workdir):  # noqa: F811
+    d, _ = workdir
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    code, _, err = run(torchrun, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
+                       "--dataset=verse", "--batchsize=4", *TINY, cwd=d)
+    # torchrun adds its own report of the failed processes after our line; the line comes once
+    assert code != 0 and err.count("train.py: error: unknown setting 'batchsize': did you mean --batch_size?") == 1
+    code, _, err = run(torchrun, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
+                       "--dataset=verse", "--gradient_accumulation_steps=3", *TINY, cwd=d)
+    assert code != 0 and err.count("gradient_accumulation_steps=3 is not divisible by the 2 processes") == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# sample.py
+
+def test_sample_rejects_bad_input_in_one_line(trained):
+    d = trained
+    sample = lambda *a: run("sample.py", "--out_dir=out-ok", "--max_new_tokens=5", *a, cwd=d)  # noqa: E731
+    one_line_error(sample("--start=ROMEO: ¿Qué?"), "characters the model's vocabulary lacks: 'Qu¿é'")
+    one_line_error(sample("--max_new_tokens=-1"), "max_new_tokens=-1 is negative")
+    one_line_error(sample("--temperature=-0.5"), "temperature=-0.5 is negative")
+    one_line_error(sample("--top_p=0"), "top_p=0.0 must lie in (0, 1]")
+    one_line_error(sample("--top_p=1.5"), "top_p=1.5 must lie in (0, 1]")
+    one_line_error(sample("--top_k=0"), "top_k=0 must be at least 1")
+    one_line_error(sample("--start=FILE:missing.txt"), "prompt file 'missing.txt' not found")
+    one_line_error(sample("--out_dir=out-nothing"), "no checkpoint at out-nothing/ckpt.pt")
+    os.makedirs(d / "out-half", exist_ok=True)
+    (d / "out-half" / "best.pt").write_bytes((d / "out-ok" / "best.pt").read_bytes()[:1000])
+    one_line_error(run("sample.py", "--out_dir=out-half", cwd=d), "out-half/best.pt is not a readable checkpoint",
+                   "--ckpt=latest")
+
+
+def test_a_prompt_longer_than_learned_positions_is_cropped_and_said(trained):
+    code, out, err = run("sample.py", "--out_dir=out-ok", "--start=" + "ROMEO: " * 10, "--max_new_tokens=5",
+                         cwd=trained)
+    assert code == 0 and "the prompt is 70 tokens, longer than the 16 positions" in err
+    assert out.startswith("ROMEO: " * 10)
+
+
+# ----------------------------------------------------------------------------------------------
+# Nothing lost
+
+def test_killing_the_process_mid_save_leaves_the_previous_checkpoint_loadable(workdir):  # noqa: F811
+    d, _ = workdir
+    out = d / "out-kill"
+    # a model big enough (about 40 MB of checkpoint) that a save takes a while
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--dataset=verse", f"--out_dir={out}", "--device=cpu",
+           "--n_layer=4", "--n_embd=256", "--n_head=4", "--block_size=16", "--batch_size=2", "--eval_iters=1",
+           "--eval_interval=1", "--max_iters=1000", "--log_interval=1000"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=d)
+    partial, deadline = None, time.time() + 120
+    while p.poll() is None and time.time() < deadline:  # kill once a new ckpt.pt is half written
+        tmp = glob.glob(str(out / "ckpt.pt.tmp.*"))
+        try:
+            if tmp and (out / "ckpt.pt").exists() and os.path.getsize(tmp[0]) > 1 << 20:
+                p.kill()
+                partial = tmp[0]
+                break
+        except FileNotFoundError:  # renamed between the glob and the size: try the next save
+            pass
+    p.wait()
+    assert partial is not None and os.path.getsize(partial) < os.path.getsize(out / "ckpt.pt")
+    before = torch.load(out / "ckpt.pt", weights_only=False)["iter_num"]
+    code, log, err = run("train.py", *cmd[2:-3], "--init_from=resume", f"--max_iters={before + 2}",
+                         "--log_interval=1", cwd=d)
+    assert code == 0, err
+    assert losses(log) and torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == before + 2
+    assert not glob.glob(str(out / "*.tmp.*"))  # the half-written file is cleared away
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_sigint_or_sigterm_saves_a_checkpoint_and_exits_cleanly(workdir, sig):  # noqa: F811
+    d, _ = workdir
+    out = f"out-{sig.name}"
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--dataset=verse", f"--out_dir={out}", *TINY,
+           "--max_iters=1000000", "--eval_interval=1000000", "--log_interval=10"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=d)
+    for line in p.stdout:  # wait until it trains
+        if line.startswith("iter 20:"):
+            break
+    p.send_signal(sig)
+    out_text, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + sig and "Traceback" not in err
+    saved = torch.load(d / out / "ckpt.pt", weights_only=False)["iter_num"]
+    assert saved >= 20 and f"stopped by {sig.name} at iteration {saved}" in out_text
+    code, log, err = run("train.py", *cmd[2:-3], "--init_from=resume", f"--max_iters={saved + 3}",
+                         "--eval_interval=1000000", cwd=d)
+    assert code == 0 and len(losses(log)) == 3, err
+
+
+@pytest.mark.parametrize("arch, extra", [("decoder", ["--dropout=0.1"]), ("encoder", []),
+                                          ("encoder-decoder", ["--pos=relative"])])
+def test_resuming_halfway_gives_bit_identical_losses_and_weights(workdir, arch, extra):  # noqa: F811
+    d, _ = workdir
+    args = ["--dataset=verse", "--eval_interval=3", f"--arch={arch}", *TINY, *extra]
+    code, straight, err = run("train.py", f"--out_dir=out-{arch}-straight", "--max_iters=8", *args, cwd=d)
+    assert code == 0, err
+    code, first, err = run("train.py", f"--out_dir=out-{arch}-halves", "--max_iters=4", *args, cwd=d)
+    assert code == 0, err
+    code, second, err = run("train.py", f"--out_dir=out-{arch}-halves", "--max_iters=8", "--init_from=resume", *args,
+                            cwd=d)
+    assert code == 0, err
+    assert losses(first) + losses(second) == losses(straight) and len(losses(straight)) == 8  # to 4 decimals...
+    a = torch.load(d / f"out-{arch}-straight" / "ckpt.pt", weights_only=False)["model"]
+    b = torch.load(d / f"out-{arch}-halves" / "ckpt.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)  # ...and the weights bit for bit
+
+
+def test_a_non_finite_loss_skips_steps_then_stops_keeping_the_last_good_checkpoint(workdir):  # noqa: F811
+    d, _ = workdir
+    code, log, err = run("train.py", "--dataset=verse", "--out_dir=out-nan", *TINY, "--max_iters=100",
+                         "--eval_interval=5", "--learning_rate=1e6", "--warmup_iters=0", "--decay_lr=False",
+                         "--grad_clip=0", "--max_bad_steps=3", cwd=d)  # a learning rate that blows the weights up
+    assert code == 1 and "Traceback" not in err
+    assert "step skipped (3 in a row)" in log
+    assert "the loss was not finite for 3 steps in a row; out-nan/ckpt.pt keeps iteration 0" in err
+    ckpt = torch.load(d / "out-nan" / "ckpt.pt", weights_only=False)
+    assert ckpt["iter_num"] == 0 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
+
+
+def test_best_checkpoint_is_kept_apart_from_the_latest(trained):
+    best = torch.load(trained / "out-ok" / "best.pt", weights_only=False)
+    latest = torch.load(trained / "out-ok" / "ckpt.pt", weights_only=False)
+    assert latest["iter_num"] == 4 and best["best_val_loss"] == latest["best_val_loss"]
+    assert best["iter_num"] in (0, 2, 4)  # the evaluation that scored best_val_loss
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP
+
+def test_two_processes_end_with_the_parameters_of_one_with_the_same_global_batch(workdir):  # noqa: F811
+    d, _ = workdir
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    args = ["--dataset=verse", "--max_iters=6", "--eval_interval=3", "--gradient_accumulation_steps=2", *TINY]
+    code, _, err = run("train.py", "--out_dir=out-one", *args, cwd=d)
+    assert code == 0, err
+    code, log, err = run(torchrun, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
+                         "--out_dir=out-two", *args, cwd=d)
+    assert code == 0, err
+    a = torch.load(d / "out-one" / "ckpt.pt", weights_only=False)["model"]
+    b = torch.load(d / "out-two" / "ckpt.pt", weights_only=False)["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def children(pid):
+    """Process ids whose parent is pid (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
+def test_a_crashed_rank_makes_the_others_exit_instead_of_hanging(workdir):  # noqa: F811
+    d, _ = workdir
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    p = subprocess.Popen([torchrun, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
+                          "--dataset=verse", "--out_dir=out-crash", "--max_iters=1000000", "--eval_interval=1000000",
+                          "--gradient_accumulation_steps=2", *TINY, "--log_interval=10"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=d)
+    for line in p.stdout:  # wait until both ranks train
+        if line.startswith("iter 20:"):
+            break
+    os.kill(max(children(p.pid)), signal.SIGKILL)  # one of the two ranks dies without a word
+    start = time.time()
+    p.stdout.close()
+    assert p.wait(timeout=120) != 0 and time.time() - start < 120
