@@ -400,30 +400,34 @@ class Stack(nn.Module):
             new = valid if valid is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
             valid = torch.cat((self.cache_valid, new), dim=1)
             self.cache_valid.copy_(valid[:, -self.cache_valid.size(1):])
-        # what each query may see; cross-attention sees every real encoder position
+        # what each query may see; cross-attention sees every real encoder position. Generating,
+        # no query looks further back than block_size, the span the model was trained on: past
+        # it, a model with relative positions decodes as a sliding-window model (absolute ones
+        # recompute their context instead, see generate_tokens)
+        window = c.window if self.cache_valid is None else min(c.window or c.block_size, c.block_size)
         if attn_impl(c, x.device, self.training) == "triton":  # the kernel masks block by block
-            mask = Mask(self.causal, c.window, self.slopes if c.pos == "alibi" else None, valid)
+            mask = Mask(self.causal, window, self.slopes if c.pos == "alibi" else None, valid)
             memory_mask = Mask(valid=memory_valid)
         else:  # SDPA and the math path take one dense bias
             T = x.size(1)
-            mask = Mask(self.causal, bias=self.attn_bias(T, T if valid is None else valid.size(1), valid, x.device))
+            mask = Mask(self.causal, bias=self.attn_bias(T, T if valid is None else valid.size(1), valid, window, x.device))
             memory_mask = Mask(bias=None if memory_valid is None else padding_bias(memory_valid))
         cos_sin = rope(pos, c.head_size, c.rope_theta, c.rope_scaling) if c.pos == "rope" else None
         for block in self.h:
             x = block(x, mask, cos_sin, memory, memory_mask)
         return self.ln_f(x) if c.norm_first else x
 
-    def attn_bias(self, Tq, Tk, valid, dev):
+    def attn_bias(self, Tq, Tk, valid, window, dev):
         """What each query may see, as an additive bias (B|1, nh|1, Tq, Tk): the position bias where it
         may look, -inf where not. The queries are the last Tq of the Tk key positions (new tokens
         after a KV cache). None when plain causal (or full) attention says it all."""
         c = self.config
-        if valid is None and not c.window and c.pos not in ("alibi", "relative") and Tq == Tk:
+        if valid is None and not window and c.pos not in ("alibi", "relative") and Tq == Tk:
             return None
         dist = torch.arange(Tk - Tq, Tk, device=dev)[:, None] - torch.arange(Tk, device=dev)  # query - key
         see = (dist >= 0) if self.causal else torch.ones_like(dist, dtype=torch.bool)
-        if c.window:
-            see = see & (dist.abs() < c.window)
+        if window:
+            see = see & (dist.abs() < window)
         see = see[None]  # (1, Tq, Tk)
         if valid is not None:  # padding is never seen, except by itself, so no row is empty
             see = (see & valid[:, None, :]) | (dist == 0)  # (B, Tq, Tk)
@@ -520,20 +524,50 @@ class Transformer(nn.Module):
                 block.cross_attn.kv_cache = None
         self.decoder.cache_valid = None
 
+    def rollback_kv_cache(self, n):
+        """Forget the newest n positions of every self-attention cache (draft tokens that the
+        target rejected): the rest move back up to the newest end, and n empty slots open."""
+        if n:
+            for block in self.decoder.h:
+                cache = block.attn.kv_cache
+                cache.k.copy_(cache.k.roll(n, dims=2))
+                cache.v.copy_(cache.v.roll(n, dims=2))
+            valid = self.decoder.cache_valid
+            valid.copy_(valid.roll(n, dims=1))
+            valid[:, :n] = False
+
+    def cache_size(self, length):
+        """Positions a cache keeps for sequences of `length`: all, or the window, or block_size."""
+        return min(length, self.config.window or length, self.config.block_size)
+
+    @property
+    def absolute_positions(self):
+        """Whether positions are absolute (added to the embeddings): then the context of a
+        sequence longer than block_size must be recomputed from its new first token."""
+        return self.config.pos in ("learned", "sinusoidal")
+
+    def decode(self, idx, input_pos, src_mask=None):
+        """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), through
+        the KV cache. With T = 1 every shape is fixed, so torch.compile captures it once."""
+        return self(idx, src_mask=src_mask, input_pos=input_pos)[0][:, -1]
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
-                 vocab_limit=None):
+                 vocab_limit=None, mask=None):
         """Continue idx (B, T) by max_new_tokens sampled tokens -> (B, T + max_new_tokens).
         temperature=0 is greedy. An encoder-decoder encodes src (B, S) once and decodes from idx
-        (its start token). Only ids below vocab_limit are drawn (vocab_size is often padded)."""
-        new = self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p, src, src_mask, vocab_limit)
+        (its start token). Only ids below vocab_limit are drawn (vocab_size is often padded).
+        mask (B, T) is False at the left padding of prompts of different lengths."""
+        new = self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p, src, src_mask, vocab_limit, mask)
         return torch.cat([idx, *new], dim=1)
 
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None,
-                        src_mask=None, vocab_limit=None):
+                        src_mask=None, vocab_limit=None, mask=None):
         """Yield each new token (B, 1) as soon as it is sampled. After a prefill of idx, each step
-        feeds only the newest token, through the KV cache."""
+        feeds only the newest token through the KV cache, and nothing waits for the device. A
+        left-padded row counts its positions from its first real token, so it decodes as it
+        would alone."""
         c = self.config
         if c.arch == "encoder":
             raise ValueError("an encoder does not generate: fill masked tokens with one forward pass")
@@ -544,40 +578,43 @@ class Transformer(nn.Module):
         memory = None
         if src is not None:
             memory = self.encoder(self.wte(src), torch.arange(src.size(1), device=src.device)[None], src_mask)
-        # the cache holds what the last token may see: everything, the window, or a learned table
-        size = idx.size(1) + max_new_tokens
-        if c.window:
-            size = min(size, c.window)
-        if c.pos == "learned":
-            size = min(size, c.block_size)
+        # rounded up, so that prompts of other lengths reuse one compiled decode step: the unused
+        # (oldest) slots are marked empty; a window or a learned table still caps the size
+        size = self.cache_size(256 * math.ceil((idx.size(1) + max_new_tokens) / 256))
+        crop = slice(-c.block_size, None)  # the model sees at most block_size tokens
 
-        def prefill(tokens):
+        def prefill(tokens, valid):
             self.setup_kv_cache(tokens.size(0), size, memory, dtype)
-            return self(tokens, src_mask=src_mask, input_pos=torch.arange(tokens.size(1), device=idx.device))[0]
+            pos = torch.arange(tokens.size(1), device=tokens.device)[None]
+            if valid is not None:
+                pos = (valid.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+            return self(tokens, mask=valid, src_mask=src_mask, input_pos=pos)[0][:, -1], pos[:, -1:]
 
         try:
-            logits = prefill(idx[:, -c.block_size:] if c.pos == "learned" else idx)
+            logits, pos = prefill(idx[:, crop], None if mask is None else mask[:, crop])
             for i in range(max_new_tokens):
-                idx_next = sample(logits[:, -1, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
+                idx_next = sample(logits[:, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
                 yield idx_next
-                idx = torch.cat((idx, idx_next), dim=1)
                 if i == max_new_tokens - 1:
                     break
-                if c.pos == "learned" and idx.size(1) > c.block_size:
-                    # past the learned table, positions must shift: recompute the last block_size
-                    # tokens as nanoGPT does (no cache saving from here on)
-                    logits = prefill(idx[:, -c.block_size:])
+                idx = torch.cat((idx, idx_next), dim=1)
+                mask = None if mask is None else F.pad(mask, (0, 1), value=True)
+                if self.absolute_positions and idx.size(1) > c.block_size:
+                    # absolute positions must shift: recompute the last block_size tokens as
+                    # nanoGPT does (no cache saving from here on)
+                    logits, pos = prefill(idx[:, crop], None if mask is None else mask[:, crop])
                 else:
-                    pos = torch.tensor([idx.size(1) - 1], device=idx.device)
-                    logits = self(idx_next, src_mask=src_mask, input_pos=pos)[0]
+                    pos = pos + 1  # on the device, so the loop never waits for it
+                    logits = self.decode(idx_next, pos, src_mask)
         finally:
             self.clear_kv_cache()
 
 
-def sample(logits, temperature=1.0, top_k=None, top_p=None):
-    """Draw one token per row of logits (B, V) -> (B, 1), with no device-to-host sync."""
+def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
+    """The distribution to draw from, (B, V) -> (B, V): logits / temperature, cut to the top_k
+    tokens and to the smallest set whose probability reaches top_p. temperature=0 is the argmax."""
     if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
+        return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()
     logits = logits.float() / temperature
     if top_k is not None:  # keep the k most likely tokens
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
@@ -587,7 +624,130 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None):
         probs = sorted_logits.softmax(dim=-1)
         outside = probs.cumsum(dim=-1) - probs > top_p  # the mass before this token already reaches p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    # argmax of p_i / e_i with e_i ~ Exp(1) picks token i with probability p_i (the Gumbel-max trick),
-    # unlike torch.multinomial, without waiting for the device
+    return logits.softmax(dim=-1)
+
+
+def draw(probs):
+    """One token per row of probs (B, V) -> (B, 1). argmax of p_i / e_i with e_i ~ Exp(1) picks token
+    i with probability p_i (the Gumbel-max trick) and, unlike torch.multinomial, never waits for
+    the device."""
     return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1, keepdim=True)
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=None):
+    """Draw one token per row of logits (B, V) -> (B, 1), with no device-to-host sync."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    return draw(sampling_probs(logits, temperature, top_k, top_p))
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative decoding
+
+def accept_or_resample(p, q, drafted):
+    """The rule of speculative sampling. p (k+1, V): the target's probabilities at each drafted
+    position and one past; q (k, V): the draft's; drafted (k,). Draft i is kept with probability
+    min(1, p_i(x) / q_i(x)); the first rejected one is replaced by a draw from max(0, p_i - q_i),
+    renormalised, and if all k are kept a token from p_k+1 follows. The tokens returned (a list)
+    are distributed exactly as the target's own samples would be."""
+    k = drafted.numel()
+    i = torch.arange(k, device=p.device)
+    keep = torch.rand(k, device=p.device) < p[i, drafted] / q[i, drafted]
+    n = int(keep.logical_not().nonzero()[0]) if not keep.all() else k  # drafts accepted
+    rest = p[k] if n == k else (p[n] - q[n]).clamp(min=0)
+    return drafted[:n].tolist() + [int(draw(rest[None] / rest.sum()))]
+
+
+@torch.no_grad()
+def speculative_generate(target, draft, idx, max_new_tokens, k=4, temperature=1.0, top_k=None, top_p=None,
+                         vocab_limit=None):
+    """Continue idx (1, T) as `target` would, faster (Leviathan et al. 2023; Chen et al. 2023): a
+    small `draft` decoder proposes k tokens one by one, the target scores them all in one forward
+    pass, and accept_or_resample keeps what the target agrees with. With temperature=0 the output
+    is exactly the target's greedy decoding. Returns (1, T + max_new_tokens) and the numbers of
+    draft tokens accepted and proposed."""
+    if target.config.arch != "decoder" or draft.config.arch != "decoder":
+        raise ValueError("speculative decoding takes a decoder as target and as draft")
+    if idx.size(0) != 1:
+        raise ValueError("speculative decoding takes one sequence at a time (batch size 1)")
+
+    def feed(model, tokens, start):  # tokens (1, n) at positions start.. -> probabilities (n, V)
+        logits = model(tokens, input_pos=torch.arange(start, start + tokens.size(1), device=tokens.device))[0]
+        return sampling_probs(logits[0, :, :vocab_limit], temperature, top_k, top_p)
+
+    out, total = idx[0].tolist(), idx.size(1) + max_new_tokens
+    # drafting stops where absolute positions would have to shift; the target alone finishes
+    end = min([m.config.block_size - k for m in (target, draft) if m.absolute_positions] + [total])
+    accepted = proposed = 0
+    for m in (target, draft):  # room for the k + 1 positions that a rollback may take back
+        m.setup_kv_cache(1, m.cache_size(len(out) + max_new_tokens) + k + 1)
+    try:
+        # invariant: the target has seen all of out but its last token; the draft all but `pending`
+        if 1 < len(out) < end:
+            feed(target, idx[:, :-1], 0)
+            feed(draft, idx[:, :-1], 0)
+        seen_target = seen_draft = len(out) - 1
+        pending = idx[:, -1:]
+        while len(out) < end:
+            q, drafted, x = [], [], pending
+            for _ in range(k):  # the draft proposes, one forward pass per token
+                q.append(feed(draft, x, seen_draft)[-1:])
+                seen_draft += x.size(1)
+                x = draw(q[-1])
+                drafted.append(x)
+            drafted = torch.cat(drafted, dim=1)  # (1, k)
+            last = idx.new_tensor([out[-1:]])
+            p = feed(target, torch.cat((last, drafted), dim=1), seen_target)  # (k + 1, V): one pass
+            new = accept_or_resample(p, torch.cat(q), drafted[0])
+            n = len(new) - 1  # drafts accepted
+            accepted, proposed = accepted + n, proposed + k
+            # each cache keeps the accepted drafts and forgets the rest
+            target.rollback_kv_cache(k - n)
+            seen_target += 1 + n
+            drop = k - 1 - min(n, k - 1)  # the draft saw k - 1 drafts (not the last)
+            draft.rollback_kv_cache(drop)
+            seen_draft -= drop
+            pending = torch.cat((drafted[:, k - 1:] if n == k else drafted[:, :0], idx.new_tensor([new[-1:]])), dim=1)
+            out += new
+    finally:
+        target.clear_kv_cache()
+        draft.clear_kv_cache()
+    out = idx.new_tensor([out[:total]])
+    if out.size(1) < total:
+        out = target.generate(out, total - out.size(1), temperature, top_k, top_p, vocab_limit=vocab_limit)
+    return out, accepted, proposed
+
+
+# ----------------------------------------------------------------------------------------------
+# int8 weights
+
+class Int8Linear(nn.Module):
+    """A Linear layer with its weights stored as int8, one scale per output channel (4x smaller
+    than fp32, 2x than bf16). Decoding one token at a time is bound by reading the weights, so
+    smaller weights read faster where a kernel multiplies int8 directly."""
+
+    def __init__(self, linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # the largest weight of a row maps to 127
+        self.register_buffer("weight", torch.round(w / scale[:, None]).to(torch.int8))
+        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        self.bias = linear.bias
+
+    def forward(self, x):
+        if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):  # torch's int8 x float kernel
+            y = torch._weight_int8pack_mm(x.reshape(-1, x.size(-1)), self.weight, self.scale.to(x.dtype))
+            y = y.view(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_int8(model):
+    """Replace every nn.Linear in model by an Int8Linear (in place); returns the model."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(model, name, Int8Linear(child))
+        else:
+            quantize_int8(child)
+    return model

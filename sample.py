@@ -4,24 +4,35 @@ Sample from a trained model; the text streams to stdout as it is generated.
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3 \\
         --max_new_tokens=500 --temperature=0.8 --top_k=200 --seed=1337
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt
+    python sample.py --out_dir=out-shakespeare-char --start=FILE:prompts.txt --batch   # one per line
+    python sample.py --out_dir=out-shakespeare-char --draft_dir=out-small              # speculative
+    python sample.py --out_dir=out-shakespeare-char --quantize=int8 --attention=attn.html
     python sample.py --out_dir=out-bert-char --start="To be, or not to be: [MASK][MASK][MASK][MASK] is the question"
+    python sample.py --bench                                                            # decoding speed
 
 A decoder continues the prompt. An encoder (masked LM) fills each [MASK] with one token; an
 encoder-decoder (span corruption) fills each [MASK] with a span of any length.
 """
 
 import codecs
+import copy
+import html
+import json
+import math
 import os
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
-from model import ModelConfig, Transformer, sample
+from model import ModelConfig, Transformer, quantize_int8, sample, speculative_generate
 from prepare import PrepareError, Tokenizer
-from train import UsageError, load_checkpoint, parse_settings, pick_device, pick_dtype
+from train import (TrainConfig, UsageError, batch_rng, get_batch, load_checkpoint, parse_settings, pick_device,
+                   pick_dtype, sync)
 
 MASK = "[MASK]"
 
@@ -39,6 +50,14 @@ class SampleConfig:
     seed: int = 1337
     device: str = "auto"
     dtype: str = "auto"
+    compile: bool = False  # torch.compile the one-token decoding step
+    batch: bool = False  # with --start=FILE:..., continue every line of the file, all in one batch
+    draft_dir: str = ""  # out_dir of a small model that drafts tokens for speculative decoding
+    draft_k: int = 4  # tokens the draft proposes per step
+    quantize: str = ""  # "int8": weight-only int8 for every Linear layer
+    attention: str = ""  # write the first sample's attention weights to this HTML file
+    attention_tokens: int = 128  # ...for at most this many (the last) tokens
+    bench: bool = False  # measure decoding speed on a GPT-2-124M-shaped model, then exit
 
 
 def check(cfg):
@@ -52,17 +71,23 @@ def check(cfg):
         raise UsageError(f"top_k={cfg.top_k} must be at least 1 (or None for no limit)")
     if cfg.ckpt not in ("best", "latest"):
         raise UsageError(f"ckpt={cfg.ckpt!r} is not known: use 'best' or 'latest'")
+    if cfg.quantize not in ("", "int8"):
+        raise UsageError(f"quantize={cfg.quantize!r} is not known: use int8 (or leave it out)")
+    if cfg.draft_k < 1:
+        raise UsageError(f"draft_k={cfg.draft_k} must be at least 1")
+    if cfg.batch and not cfg.start.startswith("FILE:"):
+        raise UsageError("--batch takes its prompts from a file, one per line: --start=FILE:prompts.txt")
 
 
-def load(cfg, device):
+def load(out_dir, which, device):
     """The model, its tokenizer and its special tokens from out_dir."""
-    path = os.path.join(cfg.out_dir, "best.pt" if cfg.ckpt == "best" else "ckpt.pt")
-    if cfg.ckpt == "best" and not os.path.exists(path):
-        path = os.path.join(cfg.out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(path, device, other="--ckpt=latest" if cfg.ckpt == "best" else "--ckpt=best")
+    path = os.path.join(out_dir, "best.pt" if which == "best" else "ckpt.pt")
+    if which == "best" and not os.path.exists(path):
+        path = os.path.join(out_dir, "ckpt.pt")
+    ckpt = load_checkpoint(path, device, other="--ckpt=latest" if which == "best" else "--ckpt=best")
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
-    return model.to(device).eval(), Tokenizer(ckpt["meta"]), ckpt["tokens"]
+    return model.to(device).eval(), Tokenizer(ckpt["meta"]), ckpt
 
 
 def main(argv):
@@ -73,17 +98,20 @@ def main(argv):
     dtype = pick_dtype(cfg.dtype, device)
     # softmax tails leave tiny (denormal) floats that x86 CPUs handle 30x slower: round them to 0
     torch.set_flush_denormal(True)
+    if cfg.bench:
+        bench(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+              device, dtype, cfg.compile)
+        if os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):
+            int8_quality(cfg.out_dir, device)
+        return 0
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    model, tok, special = load(cfg, device)
-    prompt = cfg.start
-    if prompt.startswith("FILE:"):
-        if not os.path.isfile(prompt[5:]):
-            raise UsageError(f"prompt file {prompt[5:]!r} not found: check the path after FILE:")
-        try:
-            with open(prompt[5:], encoding="utf-8") as f:
-                prompt = f.read()
-        except UnicodeDecodeError:
-            raise UsageError(f"prompt file {prompt[5:]!r} is not UTF-8 text: convert it first") from None
+    model, tok, ckpt = load(cfg.out_dir, cfg.ckpt, device)
+    special = ckpt["tokens"]
+    if cfg.quantize == "int8":
+        quantize_int8(model)
+    if cfg.compile:
+        compile_decode(model, device)
+    prompt = read_prompt(cfg.start)
     unknown = tok.unknown(prompt.replace(MASK, ""))
     if unknown:
         raise UsageError(f"the prompt has characters the model's vocabulary lacks: {''.join(unknown)!r}; "
@@ -92,16 +120,40 @@ def main(argv):
     arch = model.config.arch
     if MASK not in prompt and arch != "decoder":
         raise UsageError(f"an {arch} fills in blanks: put {MASK} in --start where text is missing")
-    run = {"decoder": continue_text, "encoder": fill_masks, "encoder-decoder": fill_spans}[arch]
     write = lambda s: (sys.stdout.write(s), sys.stdout.flush())  # noqa: E731
-    n_tokens, t0 = 0, time.time()
     with autocast:
-        for _ in range(cfg.num_samples):
-            n_tokens += run(model, tok, special, prompt, cfg, device, write)
-            write("\n---------------\n")
-    dt = time.time() - t0
+        if cfg.draft_dir:
+            return speculate(model, tok, prompt, cfg, device, write)
+        if cfg.batch:
+            n_tokens, dt, picture = continue_batch(model, tok, prompt, cfg, device, write)
+        else:
+            run = {"decoder": continue_text, "encoder": fill_masks, "encoder-decoder": fill_spans}[arch]
+            n_tokens, t0, picture = 0, time.time(), None
+            for _ in range(cfg.num_samples):
+                n, ids = run(model, tok, special, prompt, cfg, device, write)
+                n_tokens, picture = n_tokens + n, picture or ids
+                write("\n---------------\n")
+            dt = time.time() - t0
     print(f"sample.py: {n_tokens:,} tokens in {dt:.2f} s, {n_tokens / dt:,.1f} tokens/s "
-          f"({arch}, {device}, {str(dtype).replace('torch.', '')})", file=sys.stderr)
+          f"({arch}, {device}, {str(dtype).replace('torch.', '')}{', int8' if cfg.quantize else ''})",
+          file=sys.stderr)
+    if cfg.attention:
+        write_attention(cfg.attention, model, tok, picture, cfg.attention_tokens)
+        print(f"sample.py: attention weights of the first sample in {cfg.attention}", file=sys.stderr)
+    return 0
+
+
+def read_prompt(start):
+    if not start.startswith("FILE:"):
+        return start
+    path = start[5:]
+    if not os.path.isfile(path):
+        raise UsageError(f"prompt file {path!r} not found: check the path after FILE:")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise UsageError(f"prompt file {path!r} is not UTF-8 text: convert it first") from None
 
 
 def text_of(tok):
@@ -110,7 +162,7 @@ def text_of(tok):
     return lambda i: decoder.decode(tok.decode_bytes([i])) if i < tok.vocab_size else ""
 
 
-def continue_text(model, tok, special, prompt, cfg, device, write):
+def encode_prompt(model, tok, prompt):
     ids = tok.encode(prompt)
     if not ids:
         raise UsageError("the prompt is empty: give --start some text (the default is a newline)")
@@ -118,14 +170,82 @@ def continue_text(model, tok, special, prompt, cfg, device, write):
     if model.config.pos == "learned" and len(ids) > block:
         print(f"sample.py: the prompt is {len(ids)} tokens, longer than the {block} positions this model "
               f"learned: it sees the last {block}", file=sys.stderr)
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoders: continue the prompt
+
+def continue_text(model, tok, special, prompt, cfg, device, write):
+    ids = encode_prompt(model, tok, prompt)
     write(prompt)
     text = text_of(tok)
-    x = torch.tensor([ids], device=device)
-    for t in model.generate_tokens(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                                   vocab_limit=tok.vocab_size):
-        write(text(t.item()))
-    return cfg.max_new_tokens
+    for t in model.generate_tokens(torch.tensor([ids], device=device), cfg.max_new_tokens, cfg.temperature,
+                                   cfg.top_k, cfg.top_p, vocab_limit=tok.vocab_size):
+        t = t.item()  # printing as we go needs the token on the host
+        ids.append(t)
+        write(text(t))
+    return cfg.max_new_tokens, dict(idx=ids)
 
+
+def continue_batch(model, tok, prompts, cfg, device, write):
+    """Every line of the prompt file in one batch: left-padded, each row masked and counting its
+    positions from its first token, so that it decodes as it would alone."""
+    if model.config.arch != "decoder":
+        raise UsageError("--batch continues prompts: it needs a decoder checkpoint")
+    lines = [line for line in prompts.splitlines() if line.strip()]
+    if not lines:
+        raise UsageError("the prompt file has no non-empty line to continue")
+    rows = [encode_prompt(model, tok, line) for line in lines]
+    T = max(map(len, rows))
+    idx = torch.zeros(len(rows), T, dtype=torch.long, device=device)
+    mask = torch.zeros(len(rows), T, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        idx[i, T - len(row):] = torch.tensor(row)
+        mask[i, T - len(row):] = True
+    t0 = time.time()
+    out = model.generate(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+                         vocab_limit=tok.vocab_size, mask=mask)[:, T:].tolist()
+    dt = time.time() - t0
+    for line, new in zip(lines, out):
+        write(line + tok.decode(new) + "\n---------------\n")
+    return len(rows) * cfg.max_new_tokens, dt, dict(idx=rows[0] + out[0])
+
+
+def speculate(model, tok, prompt, cfg, device, write):
+    """Speculative decoding with the draft in --draft_dir, timed against the target alone."""
+    draft, draft_tok, draft_ckpt = load(cfg.draft_dir, cfg.ckpt, device)
+    if draft_tok.kind != tok.kind or draft_tok.vocab_size != tok.vocab_size or (
+            tok.kind == "char" and draft_tok.chars != tok.chars):
+        raise UsageError(f"the draft in {cfg.draft_dir} has another vocabulary than the target: train it on "
+                         "the same dataset")
+    if cfg.quantize == "int8":
+        quantize_int8(draft)
+    idx = torch.tensor([encode_prompt(model, tok, prompt)], device=device)
+    args = (cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
+    accepted = proposed = 0
+    times = {"target alone": 0.0, "speculative": 0.0}
+    for _ in range(cfg.num_samples):
+        t0 = time.time()
+        out, a, p = speculative_generate(model, draft, idx, *args[:1], cfg.draft_k, *args[1:], tok.vocab_size)
+        sync(device)
+        times["speculative"] += time.time() - t0
+        accepted, proposed = accepted + a, proposed + p
+        write(tok.decode(out[0].tolist()) + "\n---------------\n")
+        t0 = time.time()
+        model.generate(idx, *args, vocab_limit=tok.vocab_size)
+        sync(device)
+        times["target alone"] += time.time() - t0
+    n = cfg.num_samples * cfg.max_new_tokens
+    rate = {k: n / v for k, v in times.items()}
+    print(f"sample.py: draft tokens accepted {accepted}/{proposed} ({accepted / max(proposed, 1):.1%}); "
+          f"speculative {rate['speculative']:,.1f} tokens/s, target alone {rate['target alone']:,.1f} tokens/s: "
+          f"{rate['speculative'] / rate['target alone']:.2f}x (k={cfg.draft_k})", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoders and encoder-decoders: fill the blanks
 
 def fill_masks(model, tok, special, prompt, cfg, device, write):
     """Masked LM: fill the masks left to right, each seeing the ones filled before it."""
@@ -147,7 +267,7 @@ def fill_masks(model, tok, special, prompt, cfg, device, write):
             logits = model(x)[0][:, hole, : tok.vocab_size]  # only real tokens may fill a hole
         x[0, hole] = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p)[0, 0]
         write(text(x[0, hole].item()) + piece)
-    return len(holes)
+    return len(holes), dict(idx=x[0].tolist())
 
 
 def fill_spans(model, tok, special, prompt, cfg, device, write):
@@ -161,14 +281,15 @@ def fill_spans(model, tok, special, prompt, cfg, device, write):
         if i < len(pieces) - 1:
             ids.append(first + i)
     src = torch.tensor([ids], device=device)
-    start = torch.tensor([[special["start"]]], device=device)
+    out = [special["start"]]
     text = text_of(tok)
     write(pieces[0])
-    shown, n = 0, 0  # pieces written after the first; tokens generated
+    shown = 0  # pieces written after the first
     limit = first + special["n_sentinel"]  # text and sentinels, no padding
-    for t in model.generate_tokens(start, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, src=src,
-                                   vocab_limit=limit):
-        t, n = t.item(), n + 1
+    for t in model.generate_tokens(torch.tensor([out], device=device), cfg.max_new_tokens, cfg.temperature,
+                                   cfg.top_k, cfg.top_p, src=src, vocab_limit=limit):
+        t = t.item()
+        out.append(t)
         if first < t < first + special["n_sentinel"]:  # sentinel k ends span k - 1
             while shown < min(t - first, len(pieces) - 1):
                 shown += 1
@@ -179,12 +300,218 @@ def fill_spans(model, tok, special, prompt, cfg, device, write):
             write(text(t))
     for piece in pieces[shown + 1:]:  # spans the model did not close
         write(piece)
-    return n
+    return len(out) - 1, dict(idx=out, src=ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention pictures
+
+def attention_maps(model, idx, src=None):
+    """Each attention's weights for one sequence, from a forward pass on the math path:
+    {name: (layers, heads, Tq, Tk)}."""
+    config = model.config
+    saved, config.attn_impl = config.attn_impl, "math"  # every module reads this one config
+    try:
+        with torch.no_grad():
+            model(idx, src=src)
+    finally:
+        config.attn_impl = saved
+    maps = {}
+    for stack in ("encoder", "decoder"):
+        blocks = getattr(model, stack).h if getattr(model, stack) is not None else []
+        if blocks:
+            maps[f"{stack} self-attention"] = torch.stack([b.attn.att[0] for b in blocks])
+        if blocks and blocks[0].cross_attn is not None:
+            maps["decoder cross-attention (to the encoder)"] = torch.stack([b.cross_attn.att[0] for b in blocks])
+    for block in [b for s in (model.encoder, model.decoder) if s is not None for b in s.h]:
+        for attn in (block.attn, block.cross_attn):
+            if attn is not None:
+                attn.att = None  # let go of the memory
+    return maps
+
+
+def write_attention(path, model, tok, seq, n_tokens):
+    """A self-contained HTML page with every layer's and head's attention weights as heatmaps."""
+    dev = model.wte.weight.device
+    keep = min(n_tokens, model.config.block_size if model.config.pos == "learned" else n_tokens)
+    idx = torch.tensor([seq["idx"][-keep:]], device=dev)
+    src = torch.tensor([seq["src"][-keep:]], device=dev) if "src" in seq else None
+    labels = lambda ids: [tok.decode([i]) if i < tok.vocab_size else f"<{i}>" for i in ids]  # noqa: E731
+    tokens = {"decoder": labels(idx[0].tolist()), "encoder": labels((src if src is not None else idx)[0].tolist())}
+    kinds = []
+    for name, weights in attention_maps(model, idx, src).items():
+        queries = tokens["encoder" if name.startswith("encoder") else "decoder"]
+        keys = tokens["encoder" if name.startswith("encoder") or "cross" in name else "decoder"]
+        kinds.append(dict(name=name, queries=queries, keys=keys,  # weights in units of 1e-4
+                          weights=(weights.float() * 1e4).round().int().tolist()))
+    data = json.dumps(dict(kinds=kinds), separators=(",", ":")).replace("</", "<\\/")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(ATTENTION_PAGE.replace("/*DATA*/", data).replace("TITLE", html.escape(os.path.basename(path))))
+
+
+ATTENTION_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>TITLE</title>
+<style>
+body { font: 14px system-ui, sans-serif; margin: 20px; color: #222; }
+label { margin-right: 14px; }
+#info { margin: 10px 0; font-family: monospace; min-height: 1.2em; }
+#map { display: grid; width: max-content; }
+.cell { width: 14px; height: 14px; }
+.cell:hover { outline: 1px solid #000; }
+.q, .k { font: 11px monospace; white-space: pre; color: #555; }
+.q { text-align: right; padding-right: 4px; line-height: 14px; }
+.k { writing-mode: vertical-rl; transform: rotate(180deg); height: 56px; width: 14px; overflow: hidden; }
+</style></head><body>
+<h2>Attention weights</h2>
+<p>Rows are queries, columns keys; darker means more weight. Hover a square for its exact weight.</p>
+<label>attention <select id="kind"></select></label>
+<label>layer <select id="layer"></select></label>
+<label>head <select id="head"></select></label>
+<div id="info"></div>
+<div id="map"></div>
+<script>
+const DATA = /*DATA*/;
+const $ = (id) => document.getElementById(id);
+const show = (s) => s.replace(/\\n/g, "\\u23ce").replace(/ /g, "\\u00b7");
+function options(select, n, label) {
+  const keep = Math.min(select.selectedIndex, n - 1);
+  select.innerHTML = "";
+  for (let i = 0; i < n; i++) select.add(new Option(label(i), i));
+  select.selectedIndex = Math.max(keep, 0);
+}
+function render() {
+  const kind = DATA.kinds[$("kind").selectedIndex];
+  options($("layer"), kind.weights.length, (i) => "layer " + i);
+  options($("head"), kind.weights[0].length, (i) => "head " + i);
+  const w = kind.weights[$("layer").selectedIndex][$("head").selectedIndex];
+  const map = $("map");
+  map.innerHTML = "";
+  map.style.gridTemplateColumns = "auto repeat(" + kind.keys.length + ", 14px)";
+  map.appendChild(document.createElement("div"));
+  for (const k of kind.keys) {
+    const d = document.createElement("div"); d.className = "k"; d.textContent = show(k); map.appendChild(d);
+  }
+  kind.queries.forEach((q, i) => {
+    const d = document.createElement("div"); d.className = "q"; d.textContent = show(q); map.appendChild(d);
+    kind.keys.forEach((k, j) => {
+      const c = document.createElement("div");
+      const v = w[i][j] / 1e4;
+      c.className = "cell";
+      c.style.background = "rgba(30, 70, 200, " + Math.sqrt(v) + ")";
+      c.title = show(q) + " (" + i + ") \\u2192 " + show(k) + " (" + j + "): " + v.toFixed(4);
+      c.onmouseenter = () => { $("info").textContent = c.title; };
+      map.appendChild(c);
+    });
+  });
+}
+DATA.kinds.forEach((k, i) => $("kind").add(new Option(k.name, i)));
+for (const id of ["kind", "layer", "head"]) $(id).onchange = render;
+render();
+</script></body></html>
+"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark: python sample.py --bench
+
+def floor_seconds(model, x_dtype, reps=5):
+    """The time of the model's matrix-vector products alone at batch 1: F.linear over every
+    weight once, about what one decoded token must cost at least."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    dev = weights[0].device
+    xs = {w.size(1): torch.randn(1, w.size(1), device=dev, dtype=x_dtype) for w in weights}
+    best = math.inf
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        for w in weights:
+            F.linear(xs[w.size(1)], w.to(x_dtype))
+        sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def no_cache_generate(model, idx, n):
+    """nanoGPT's generate: every step recomputes the whole (cropped) sequence; sampling included."""
+    for _ in range(n):
+        logits = model(idx[:, -model.config.block_size:])[0][:, -1]
+        idx = torch.cat((idx, sample(logits, 1.0, 200)), dim=1)
+    return idx
+
+
+def compile_decode(model, device):
+    """Compile the one-token decoding step: one static graph per cache size (sizes come in steps
+    of 256), replayed as a CUDA graph on a GPU, plain inductor code elsewhere."""
+    model.decode = torch.compile(model.decode, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else None)
+
+
+def bench(config, device, dtype, compile=False, news=(64, 256), prompt=16):
+    """Tokens/s decoding at batch 1 with random weights: the KV cache, no cache, int8 weights and
+    the matrix-vector floor, all measured here and now."""
+    torch.manual_seed(0)
+    model = Transformer(config).to(device=device, dtype=dtype).eval()
+    if compile:  # each cache size is compiled in the warm-up, not in the timings
+        compile_decode(model, device)
+    int8 = quantize_int8(copy.deepcopy(model))
+    idx = torch.randint(0, config.vocab_size, (1, prompt), device=device)
+    floor = floor_seconds(model, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"decoding at batch 1: {n_params / 1e6:.1f}M parameters ({config.n_layer} layers, width "
+          f"{config.n_embd}), {str(dtype).replace('torch.', '')} on {device}, {prompt}-token prompt"
+          f"{', compiled decode step' if compile else ''}")
+    print(f"floor (F.linear over every weight once): {floor * 1e3:.1f} ms/token = {1 / floor:.1f} tokens/s")
+    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    int8_bytes = sum(m.weight.numel() + m.scale.numel() * m.scale.element_size() for m in int8.modules()
+                     if hasattr(m, "scale"))
+    print(f"Linear weights: {sum(w.numel() * w.element_size() for w in linear) / 2**20:.1f} MiB, "
+          f"int8: {int8_bytes / 2**20:.1f} MiB")
+    with torch.no_grad():
+        full, small = model(idx)[0].float(), int8(idx)[0].float()
+    print(f"int8 logits: max |difference| / max |logit| = {((full - small).abs().max() / full.abs().max()).item():.4f}")
+    print(f"{'new tokens':>10} | {'KV cache':>14} | {'no cache':>14} | {'int8 + cache':>14} | "
+          f"{'cache / no cache':>16} | {'ms/token / floor':>16}")
+    with torch.no_grad():
+        for n in news if compile else news[:1]:  # warm up (and compile) outside the timings
+            model.generate(idx, n if compile else 8)
+        int8.generate(idx, 8)
+        no_cache_generate(model, idx, 2)
+        for n in news:
+            rates = {}
+            for name, run in (("cache", lambda: model.generate(idx, n, top_k=200)),
+                              ("no cache", lambda: no_cache_generate(model, idx, n)),
+                              ("int8", lambda: int8.generate(idx, n, top_k=200))):
+                sync(device)
+                t0 = time.perf_counter()
+                run()
+                sync(device)
+                rates[name] = n / (time.perf_counter() - t0)
+            print(f"{n:>10} | {rates['cache']:>7.1f} tok/s | {rates['no cache']:>7.1f} tok/s | "
+                  f"{rates['int8']:>7.1f} tok/s | {rates['cache'] / rates['no cache']:>15.1f}x | "
+                  f"{1 / rates['cache'] / floor:>15.2f}x")
+    return 0
+
+
+def int8_quality(out_dir, device, n_batches=50):
+    """What int8 weights cost a trained model: its loss on the same validation batches before and
+    after, and the largest logit difference."""
+    model, _, ckpt = load(out_dir, "latest", device)
+    cfg = ckpt["train_config"]
+    data = np.memmap(os.path.join(cfg["data_dir"], cfg["dataset"], "val.bin"), dtype=ckpt["meta"]["dtype"], mode="r")
+    batches = [get_batch(data, model.config.arch, 12, model.config.block_size, batch_rng(0, i), ckpt["tokens"],
+                         ckpt["meta"]["vocab_size"], TrainConfig(**cfg)) for i in range(n_batches)]
+    with torch.no_grad():
+        full = [model(**{k: v.to(device) for k, v in b.items()}) for b in batches]
+        quantize_int8(model)
+        small = [model(**{k: v.to(device) for k, v in b.items()}) for b in batches]
+    loss = [sum(out[1].item() for out in outs) / n_batches for outs in (full, small)]
+    rel = max(((a[0] - b[0]).abs().max() / a[0].abs().max()).item() for a, b in zip(full, small))
+    print(f"int8 on {out_dir} ({cfg['dataset']}, {n_batches} val batches of 12): loss {loss[0]:.4f} -> "
+          f"{loss[1]:.4f} ({loss[1] - loss[0]:+.4f}); max |logit difference| / max |logit| = {rel:.4f}")
 
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
+        sys.exit(main(sys.argv[1:]))
     except (UsageError, PrepareError, ValueError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         sys.exit(2)

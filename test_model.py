@@ -1,5 +1,6 @@
 """Properties of model.py, each checked over the family of configs it claims to hold."""
 
+import dataclasses
 import itertools
 import math
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import model as model_module
 from model import (ARCHS, POSITIONS, KVCache, Mask, ModelConfig, Transformer, alibi_slopes, apply_rope,
                    attention, relative_bucket, rope, sample, sinusoidal)
 
@@ -80,15 +82,22 @@ def test_sliding_window_hides_keys_further_back_than_the_window(window):
 # ----------------------------------------------------------------------------------------------
 # KV cache
 
-def greedy_without_cache(model, idx, steps, src=None):
-    """The reference: every step recomputes the whole (cropped, for learned positions) sequence."""
+def greedy_without_cache(model, idx, steps, src=None, temperature=0.0):
+    """The reference: every step runs the whole sequence again. A model sees at most block_size
+    tokens: with absolute positions the last block_size (as nanoGPT crops); with relative ones
+    every query attends to its last block_size keys (a sliding window, as generate's cache does)."""
     c = model.config
+    if model.absolute_positions:
+        crop = slice(-c.block_size, None)
+    else:
+        windowed = Transformer(dataclasses.replace(c, window=min(c.window or c.block_size, c.block_size))).eval()
+        windowed.load_state_dict(model.state_dict())
+        model, crop = windowed, slice(None)
     logits = []
     for _ in range(steps):
-        ctx = idx[:, -c.block_size:] if c.pos == "learned" else idx
-        step = model(ctx, src=src)[0][:, -1]
+        step = model(idx[:, crop], src=src)[0][:, -1]
         logits.append(step)
-        idx = torch.cat((idx, step.argmax(-1, keepdim=True)), dim=1)
+        idx = torch.cat((idx, sample(step, temperature)), dim=1)
     return idx, torch.stack(logits, 1)
 
 
@@ -122,12 +131,14 @@ def test_cached_decoding_equals_recomputing_everything(kw):
 
 
 @pytest.mark.parametrize("pos", POSITIONS)
-def test_generate_past_block_size_equals_recomputing_everything(pos):
-    # learned positions slide the context as nanoGPT does; the others just keep going
+def test_generate_past_block_size_sees_block_size_tokens_as_the_reference_does(pos, monkeypatch):
     model = model_of(pos=pos, block_size=8)
     idx, _ = inputs(dict(arch="decoder"), T=5)
-    ref_tokens, _ = greedy_without_cache(model, idx, 14)
+    ref_tokens, ref_logits = greedy_without_cache(model, idx, 14)
+    seen = []  # the logits generate() samples from, step by step
+    monkeypatch.setattr(model_module, "sample", lambda logits, *a: seen.append(logits) or logits.argmax(-1, keepdim=True))
     assert torch.equal(model.generate(idx, 14, temperature=0), ref_tokens)
+    torch.testing.assert_close(torch.stack(seen, 1), ref_logits, rtol=0, atol=1e-5)
 
 
 def test_windowed_cache_holds_at_most_window_positions():

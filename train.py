@@ -124,6 +124,8 @@ def parse_settings(argv, known=None, where=None):
                     given[key] = check_value(key, value, known, where)
         else:
             key, eq, text = arg[2:].partition("=")
+            if not eq and known.get(key, (None, None))[1] is bool:
+                eq, text = "=", "True"  # a bare --flag switches a yes/no setting on
             if not eq:
                 raise UsageError(f"{arg!r} has no value: write --{key}=VALUE")
             try:

@@ -1,0 +1,282 @@
+"""Inference: sync-free and compilable decoding, batched prompts, speculative decoding, int8 weights
+and attention pictures."""
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sample as sample_py
+from model import (Int8Linear, ModelConfig, Transformer, accept_or_resample, quantize_int8,
+                   speculative_generate)
+from test_scripts import TINY, run, workdir  # noqa: F401  (workdir is a fixture)
+
+V = 23
+
+
+def model_of(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=V, block_size=32, n_layer=2, n_head=4, n_embd=32)
+    return Transformer(ModelConfig(**{**cfg, **kw})).eval()
+
+
+def prompt(T, B=1, seed=1):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------
+# Fast decoding
+
+def test_decoding_never_reads_a_tensor_value_on_the_host(monkeypatch):
+    models = [model_of(pos="rope", n_kv_head=2), model_of(pos="learned", block_size=8, window=3)]
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        def refuse(*args, name=name):
+            raise AssertionError(f"Tensor.{name} would wait for the device")
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for model in models:  # sampling with top-k and top-p, and the crop past a learned table
+        out = model.generate(prompt(5, B=2), 12, temperature=0.9, top_k=10, top_p=0.9)
+        assert out.shape == (2, 17)
+
+
+@pytest.mark.parametrize("kw", [dict(pos="rope", n_kv_head=2), dict(pos="alibi", window=4),
+                                dict(pos="relative", n_kv_head=1), dict(arch="encoder-decoder", pos="sinusoidal")],
+                         ids=lambda kw: "-".join(map(str, kw.values())))
+def test_the_decode_step_compiles_into_one_graph_and_matches_eager(kw):
+    model = model_of(**kw)
+    src = prompt(6, seed=2) if kw.get("arch") == "encoder-decoder" else None
+    memory = model.encoder(model.wte(src), torch.arange(6)[None]) if src is not None else None
+    step = torch.compile(model.decode, backend="aot_eager", fullgraph=True)  # fullgraph: no breaks
+    outs = []
+    for decode in (model.decode, step):
+        model.setup_kv_cache(1, 16, memory)
+        with torch.no_grad():
+            model(prompt(3), input_pos=torch.arange(3))
+            outs.append(torch.stack([decode(prompt(1, seed=i), torch.tensor([[3 + i]])) for i in range(5)]))
+        model.clear_kv_cache()
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched prompts
+
+@pytest.mark.parametrize("kw", [dict(pos="rope"), dict(pos="learned", block_size=12), dict(pos="alibi", n_kv_head=2),
+                                dict(pos="relative", window=4), dict(pos="sinusoidal")],
+                         ids=lambda kw: "-".join(map(str, kw.values())))
+def test_each_row_of_a_left_padded_batch_decodes_as_its_prompt_alone(kw):
+    model = sharp(0, **kw)
+    prompts = [prompt(n, seed=n)[0] for n in (3, 9, 1, 6)]
+    T = max(map(len, prompts))
+    idx = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        idx[i, T - len(p):], mask[i, T - len(p):] = p, True
+    together = model.generate(idx, 15, temperature=0, mask=mask)[:, T:]
+    for i, p in enumerate(prompts):
+        assert torch.equal(together[i], model.generate(p[None], 15, temperature=0)[0, len(p):])
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative decoding
+
+def sharp(seed, **kw):
+    """A random model with large weights: peaked predictions that depend on the context, unlike a
+    freshly initialised one, whose greedy output soon repeats one token (and any draft agrees)."""
+    model = model_of(seed, **kw)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(8)
+    return model
+
+
+def noisy_copy(model, scale, seed=7):
+    """A draft that agrees with the target only some of the time."""
+    torch.manual_seed(seed)
+    draft = Transformer(model.config).eval()
+    with torch.no_grad():
+        for p, q in zip(draft.parameters(), model.parameters()):
+            p.copy_(q + scale * q.abs().mean() * torch.randn_like(q))
+    return draft
+
+
+@pytest.mark.parametrize("kw, draft_kw", [
+    (dict(pos="rope"), dict(n_layer=1)),
+    (dict(pos="sinusoidal", window=3), dict(n_layer=1, pos="alibi")),
+    (dict(pos="learned", block_size=16), dict(pos="learned", block_size=24, n_layer=1)),  # past the table
+    (dict(pos="relative", n_kv_head=2), dict(n_layer=1, n_embd=16, n_head=2)),
+], ids=["rope", "window", "learned-past-block", "relative-gqa"])
+def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(kw, draft_kw):
+    target = sharp(0, **kw)
+    drafts = [sharp(1, **{**kw, **draft_kw}), noisy_copy(target, 0.5)]  # mostly rejected; half accepted
+    accepted = proposed = 0
+    for draft in drafts:
+        for T in (1, 6):
+            idx = prompt(T)
+            for k in (1, 3, 5):
+                out, a, p = speculative_generate(target, draft, idx, 30, k=k, temperature=0)
+                assert torch.equal(out, target.generate(idx, 30, temperature=0))
+                accepted, proposed = accepted + a, proposed + p
+    assert 0 < accepted < proposed  # both paths, keeping drafts and rolling them back, were taken
+
+
+def test_a_draft_identical_to_the_target_is_always_accepted():
+    target = model_of(pos="rope")
+    _, accepted, proposed = speculative_generate(target, target, prompt(4), 20, k=4, temperature=0.8)
+    assert accepted == proposed > 0
+
+
+def test_accept_or_resample_gives_the_targets_distribution_whatever_the_draft():
+    torch.manual_seed(0)
+    p = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]])  # the target at 2 positions
+    q = torch.tensor([[0.6, 0.1, 0.1, 0.2]])  # a draft that disagrees
+    first = torch.zeros(4)
+    n = 20000
+    for _ in range(n):
+        drafted = torch.multinomial(q[0], 1)
+        first[accept_or_resample(p, q, drafted)[0]] += 1
+    torch.testing.assert_close(first / n, p[0], rtol=0, atol=0.012)
+
+
+def test_speculative_sampling_draws_the_first_token_from_the_target():
+    target, draft = model_of(0, pos="rope", vocab_size=6), model_of(5, pos="rope", vocab_size=6, n_layer=1)
+    idx = prompt(3) % 6
+    with torch.no_grad():
+        want = target(idx)[0][0, -1].softmax(-1)
+    torch.manual_seed(0)
+    counts = torch.zeros(6)
+    for _ in range(2000):
+        counts[speculative_generate(target, draft, idx, 1, k=2, temperature=1.0)[0][0, -1]] += 1
+    torch.testing.assert_close(counts / 2000, want, rtol=0, atol=0.035)  # about 4 standard errors
+
+
+# ----------------------------------------------------------------------------------------------
+# int8 weights
+
+def test_int8_linear_is_within_half_a_step_per_weight_and_4x_smaller():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    q = Int8Linear(linear)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        err = (q(x) - linear(x)).abs()
+    bound = x.abs() @ (q.scale[:, None].expand(48, 64) / 2).T  # rounding moves each weight by <= step/2
+    assert (err <= bound + 1e-5).all()
+    assert q.weight.dtype == torch.int8 and q.weight.numel() * 4 == linear.weight.numel() * linear.weight.element_size()
+    assert (q.weight.abs().amax(dim=1) == 127).all()  # each row's largest weight uses the full range
+
+
+def test_quantize_int8_replaces_every_linear_and_keeps_the_logits_close():
+    model = model_of(pos="rope", n_kv_head=2, mlp="swiglu")
+    idx = prompt(10, B=2)
+    with torch.no_grad():
+        before = model(idx)[0]
+        quantize_int8(model)
+        after = model(idx)[0]
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 5 + 1  # q, kv, proj, fc, proj; head
+    assert ((after - before).abs().max() / before.abs().max()) < 0.05
+    assert model.generate(idx, 5).shape == (2, 15)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention pictures
+
+def page_data(path):
+    text = open(path, encoding="utf-8").read()
+    assert "<script src" not in text and "<link" not in text and "http" not in text  # self-contained
+    return json.loads(re.search(r"const DATA = (.*);\n", text).group(1))
+
+
+def cells_rendered(path):
+    """The heatmap squares Chromium draws for the page as first shown (layer 0, head 0)."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    out = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                          "--disable-component-update", "--disable-sync", "--no-first-run", "--dump-dom",
+                          f"file://{os.path.abspath(path)}"], capture_output=True, text=True, timeout=120).stdout
+    return out.count('class="cell"')
+
+
+@pytest.mark.parametrize("arch, kinds", [("decoder", 1), ("encoder", 1), ("encoder-decoder", 3)])
+def test_attention_page_holds_every_layer_and_head(tmp_path, arch, kinds):
+    model = model_of(arch=arch, pos="alibi")
+    seq = dict(idx=prompt(7)[0].tolist())
+    if arch == "encoder-decoder":
+        seq["src"] = prompt(5, seed=3)[0].tolist()
+    tok = type("Tok", (), dict(vocab_size=V, decode=lambda self, ids: "".join(chr(97 + i) for i in ids)))()
+    sample_py.write_attention(tmp_path / "attn.html", model, tok, seq, 128)
+    data = page_data(tmp_path / "attn.html")
+    assert len(data["kinds"]) == kinds
+    for kind in data["kinds"]:
+        w = torch.tensor(kind["weights"]) / 1e4  # (layers, heads, Tq, Tk)
+        assert w.shape == (2, 4, len(kind["queries"]), len(kind["keys"]))
+        torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]), rtol=0, atol=2e-3)
+        if kind["name"] == "decoder self-attention":
+            assert w.triu(1).abs().max() == 0  # nothing from the future
+    if shutil.which("chromium") is None and shutil.which("chromium-browser") is None:
+        pytest.skip("headless Chromium is not installed (.ci/run installs Debian's chromium)")
+    first = data["kinds"][0]
+    assert cells_rendered(tmp_path / "attn.html") == len(first["queries"]) * len(first["keys"])
+
+
+# ----------------------------------------------------------------------------------------------
+# sample.py end to end
+
+@pytest.fixture(scope="module")
+def target_and_draft(workdir):  # noqa: F811
+    d, _ = workdir
+    for out, extra in (("out-target", ["--pos=rope"]), ("out-draft", ["--pos=rope", "--n_layer=1"])):
+        code, _, err = run("train.py", "--dataset=verse", f"--out_dir={out}", "--max_iters=20", "--eval_interval=10",
+                           *TINY, *extra, cwd=d)
+        assert code == 0, err
+    return d
+
+
+def test_sample_batch_gives_each_line_what_it_gets_alone(target_and_draft):
+    d = target_and_draft
+    (d / "prompts.txt").write_text("ROMEO:\nLEAR: Blood\n\nJULIET: sweet love\n")
+    code, together, err = run("sample.py", "--out_dir=out-target", "--start=FILE:prompts.txt", "--batch",
+                              "--max_new_tokens=25", "--temperature=0", cwd=d)
+    assert code == 0, err
+    for line, text in zip(["ROMEO:", "LEAR: Blood", "JULIET: sweet love"], together.split("\n---------------\n")):
+        code, alone, err = run("sample.py", "--out_dir=out-target", f"--start={line}", "--max_new_tokens=25",
+                               "--temperature=0", cwd=d)
+        assert text == alone.split("\n---------------\n")[0]
+
+
+def test_sample_with_a_draft_prints_the_acceptance_rate_and_the_target_text(target_and_draft):
+    d = target_and_draft
+    args = ["--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=30", "--temperature=0"]
+    code, plain, _ = run("sample.py", *args, cwd=d)
+    code, fast, err = run("sample.py", *args, "--draft_dir=out-draft", "--draft_k=3", cwd=d)
+    assert code == 0, err
+    assert fast == plain  # greedy: the same text
+    assert re.search(r"draft tokens accepted \d+/\d+ \([\d.]+%\); speculative [\d.,]+ tokens/s, "
+                     r"target alone [\d.,]+ tokens/s: [\d.]+x \(k=3\)", err)
+
+
+def test_sample_int8_and_attention_page(target_and_draft):
+    d = target_and_draft
+    code, text, err = run("sample.py", "--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=10",
+                          "--quantize=int8", "--attention=attn.html", cwd=d)
+    assert code == 0, err
+    assert "int8" in err and len(text.split("\n---------------\n")[0]) == len("LEAR:") + 10
+    data = page_data(d / "attn.html")
+    assert [len(k["queries"]) for k in data["kinds"]] == [len("LEAR:") + 10]
+
+
+def test_bench_prints_cache_no_cache_int8_and_floor():
+    config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        sample_py.bench(config, torch.device("cpu"), torch.float32, news=(4, 8), prompt=3)
+    text = out.getvalue()
+    assert "floor (F.linear over every weight once):" in text and "int8 logits: max |difference|" in text
+    rows = [line for line in text.splitlines() if re.match(r"\s+\d+ \|", line)]
+    assert [int(r.split("|")[0]) for r in rows] == [4, 8] and all(r.count("tok/s") == 3 for r in rows)
