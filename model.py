@@ -201,11 +201,12 @@ def attention(q, k, v, mask, impl="sdpa", dropout=0.0):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
                                            is_causal=causal, enable_gqa=True)
         return y, None
-    group = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
-    att = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.size(-1))  # (B, nh, Tq, Tk)
-    if causal:
-        att = att.masked_fill(torch.ones_like(att, dtype=torch.bool).triu(1), float("-inf"))
+    if q.size(1) != k.size(1):  # each key/value head serves a group of query heads
+        group = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
+    att = ((q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)).float()  # (B, nh, Tq, Tk); scaling q costs less
+    if causal:  # in place: the product's backward needs q and k, not att
+        att.masked_fill_(torch.ones(att.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     if bias is not None:
         att = att + bias
     att = att.softmax(dim=-1).type_as(q)

@@ -223,6 +223,19 @@ def test_each_architecture_trains_and_samples(workdir, arch, extra):
                "--seed=3", cwd=d)[1] == text  # the same seed, the same text
 
 
+def test_bench_times_train_py_against_nanogpts_recipe_and_both_compute_the_same(workdir):
+    d, _ = workdir
+    code, log, err = run("train.py", "--dataset=verse", "--out_dir=out-bench", "--bench", *TINY, cwd=d)
+    assert code == 0, err
+    ms = dict(re.findall(r"^(nanoGPT's recipe|train.py) +([\d.]+)", log, re.M))
+    assert set(ms) == {"nanoGPT's recipe", "train.py"} and all(float(v) > 0 for v in ms.values())
+    speedup = float(re.search(r"^train.py .* ([\d.]+)x", log, re.M).group(1))
+    assert speedup == pytest.approx(float(ms["nanoGPT's recipe"]) / float(ms["train.py"]), rel=0.05)
+    # fused AdamW and clipping in one pass change the speed, not the weights
+    assert float(re.search(r"parameter difference is (\S+) after one iteration", log).group(1)) < 1e-6
+    assert not os.path.exists(d / "out-bench")  # a benchmark writes no checkpoint
+
+
 def test_two_process_torchrun_on_cpu_trains_and_ranks_agree(workdir):
     d, _ = workdir
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -11,15 +11,19 @@ architecture: next-token prediction (decoder), masked LM (encoder), T5 span corr
 (encoder-decoder). Checkpoints in out_dir hold everything needed to resume exactly.
 """
 
+import time
+
+START = time.time()  # the run's wall clock counts from here, torch's import included
+
 import ast
 import difflib
 import gc
 import json
 import math
 import os
+import resource
 import signal
 import sys
-import time
 import types
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
@@ -70,6 +74,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" (cuda, then mps, then cpu), or "cpu", "cuda", "cuda:1", "mps"
     dtype: str = "auto"  # "auto" (bf16 where supported, else fp16 on GPUs, fp32 on CPU), or one of those
     compile: bool = False
+    bench: bool = False  # time iterations against nanoGPT's recipe on the same model and data, then exit
     seed: int = 1337
     backend: str = "auto"  # distributed: "nccl" on CUDA, "gloo" on CPU
 
@@ -273,6 +278,83 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5, iters=20, warmup=10):
+    """Time train.py's iteration, ours = (forward_backward(it), update()) on model, against
+    nanoGPT's recipe on a copy of the model: AdamW fused only on CUDA, gradients clipped one tensor
+    at a time, compiled only on a GPU (as nanoGPT's train.py and its CPU example do). The two run
+    in alternating rounds, so that both see the same machine; the report gives the median round,
+    split into forward+backward and update, and how far apart the two runs' weights end."""
+    ref = Transformer(model.config).to(device)
+    ref.load_state_dict(model.state_dict())
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([dict(params=[p for p in params if p.dim() >= 2], weight_decay=cfg.weight_decay),
+                             dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
+                            lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    compiled = torch.compile(ref) if cfg.compile and device.type == "cuda" else ref
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    def forward_backward(it):
+        for micro in range(cfg.gradient_accumulation_steps):
+            with autocast:
+                loss = compiled(**batch(it, micro))[1] / cfg.gradient_accumulation_steps
+            scaler.scale(loss).backward()
+
+    def update():
+        if cfg.grad_clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.grad_clip)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    def apart():
+        return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+
+    runs = {"nanoGPT's recipe": (forward_backward, update), "train.py": ours}
+    for it in range(warmup):  # warm up (and compile) outside the timings
+        for fb, up in runs.values():
+            fb(it), up()
+        first = apart() if it == 0 else first
+    times = {name: [] for name in runs}  # per round: (forward+backward, update) seconds per iteration
+    memory = {name: 0 for name in runs}
+    for r in range(rounds):
+        for name, (fb, up) in runs.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            spent = [0.0, 0.0]
+            for it in range(warmup + r * iters, warmup + (r + 1) * iters):
+                for phase, work in enumerate((lambda: fb(it), up)):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    work()
+                    sync(device)
+                    spent[phase] += (time.perf_counter() - t0) / iters
+            times[name].append(spent)
+            if device.type == "cuda":
+                memory[name] = max(memory[name], torch.cuda.max_memory_allocated(device))
+    tokens = cfg.gradient_accumulation_steps * cfg.batch_size * model.config.block_size
+    median = {name: sorted(ts, key=sum)[rounds // 2] for name, ts in times.items()}
+    base = sum(median["nanoGPT's recipe"])
+    lines = [f"bench: {rounds} rounds of {iters} iterations after {warmup} of warm-up, {tokens:,} tokens per "
+             f"iteration, {device} {str(dtype).replace('torch.', '')}{', compiled' if cfg.compile else ''}",
+             f"{'':18} {'ms/iter':>8} {'fwd+bwd':>8} {'update':>7} {'tokens/s':>9} {'MFU':>6} {'speed-up':>9}"
+             f"  each round (ms/iter)"]
+    for name, (fb, up) in median.items():
+        dt = fb + up
+        lines.append(f"{name:18} {dt * 1e3:8.1f} {fb * 1e3:8.1f} {up * 1e3:7.1f} {tokens / dt:9,.0f} "
+                     f"{flops_per_iter / dt / peak:6.1%} {base / dt:8.2f}x  "
+                     + " ".join(f"{sum(t) * 1e3:.1f}" for t in times[name])
+                     + (f"  peak {memory[name] / 2**20:,.0f} MiB" if device.type == "cuda" else ""))
+    lines.append(f"the same computation: from the same weights on the same batches, the largest parameter "
+                 f"difference is {first:.2g} after one iteration, {apart():.2g} after {warmup + rounds * iters} "
+                 "(rounding, amplified by training)")
+    if device.type != "cuda":
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+        lines.append(f"peak memory of the process (both runs): {rss:,.0f} MiB")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints
 
@@ -360,6 +442,8 @@ def main(argv):
     if ddp and device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    if cfg.bench and ddp:
+        raise UsageError("--bench times one process against nanoGPT's recipe: run it with python, not torchrun")
     if cfg.gradient_accumulation_steps % world:
         raise UsageError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
                          f"the {world} processes: make it a multiple of {world}")
@@ -369,7 +453,7 @@ def main(argv):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    if master:  # find out now, not at the first checkpoint hours later
+    if master and not cfg.bench:  # find out now, not at the first checkpoint hours later
         prepare_out_dir(cfg.out_dir)
 
     # data
@@ -485,6 +569,34 @@ def main(argv):
                              best_val_loss=best_val_loss, rng=states, tokens=tokens, meta=meta), path)
         return True
 
+    def forward_backward(it):
+        """The gradients of iteration it's batch (this rank's share of its micro-steps); its mean loss."""
+        step_loss = torch.zeros((), device=device)
+        for micro in range(accum):
+            b = batch("train", batch_rng(cfg.seed, it, rank * accum + micro))
+            if ddp:  # average gradients across ranks only on the last micro-step
+                model.require_backward_grad_sync = micro == accum - 1
+            with autocast:
+                _, loss = model(**b)
+            scaler.scale(loss / accum).backward()
+            step_loss += loss.detach() / accum
+        return step_loss
+
+    def update():
+        if cfg.grad_clip:
+            scaler.unscale_(optimizer)
+            # foreach: one pass over all gradients, not a loop of small ops per tensor
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=True)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    if cfg.bench:
+        report = bench((forward_backward, update), raw_model, cfg, device, dtype,
+                       lambda it, micro: batch("train", batch_rng(cfg.seed, it, micro)), flops_per_iter, peak)
+        log(report)
+        return 0
+
     # SIGINT (Ctrl-C) or SIGTERM (a scheduler, torchrun) ends the run at the next iteration with a
     # checkpoint; a second Ctrl-C stops at once
     stop = []
@@ -507,7 +619,8 @@ def main(argv):
             group["lr"] = lr
         if iter_num % cfg.eval_interval == 0 and (iter_num > start_iter or iter_num == 0 or cfg.eval_only):
             losses = evaluate()
-            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+                f"({time.time() - START:.1f} s since start)")
             if not math.isfinite(losses["val"]):
                 log(f"the val loss is not finite: no checkpoint written ({kept()})")
             else:
@@ -526,15 +639,7 @@ def main(argv):
         if cfg.eval_only or iter_num >= cfg.max_iters:
             break
 
-        step_loss = torch.zeros((), device=device)
-        for micro in range(accum):  # this rank's share of the global batch's micro-steps
-            b = batch("train", batch_rng(cfg.seed, iter_num, rank * accum + micro))
-            if ddp:  # average gradients across ranks only on the last micro-step
-                model.require_backward_grad_sync = micro == accum - 1
-            with autocast:
-                _, loss = model(**b)
-            scaler.scale(loss / accum).backward()
-            step_loss += loss.detach() / accum
+        step_loss = forward_backward(iter_num)
         # a non-finite loss (a spike, an overflow) would poison the weights: skip the step instead
         if not all_ranks(torch.isfinite(step_loss).float(), dist.ReduceOp.MIN).item():
             optimizer.zero_grad(set_to_none=True)
@@ -548,12 +653,7 @@ def main(argv):
             iter_num += 1
             continue
         bad_steps = 0
-        if cfg.grad_clip:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        update()
         iter_num += 1
 
         if iter_num % cfg.log_interval == 0 and master:
@@ -596,7 +696,7 @@ def configure_optimizer(model, cfg, device):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=cfg.weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    fused = device.type == "cuda"  # one kernel for the whole update
+    fused = device.type in ("cuda", "cpu")  # one kernel for the whole update, not ~10 small ops per tensor
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
 
 
