@@ -280,8 +280,8 @@ def sync(device):
 
 def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5, iters=20, warmup=10):
     """Time train.py's iteration, ours = (forward_backward(it), update()) on model, against
-    nanoGPT's recipe on a copy of the model: AdamW fused only on CUDA, gradients clipped one tensor
-    at a time, compiled only on a GPU (as nanoGPT's train.py and its CPU example do). The two run
+    nanoGPT's recipe on a copy of the model: AdamW fused only on CUDA, compiled only on a GPU (as
+    nanoGPT's train.py and its CPU example do). The two run
     in alternating rounds, so that both see the same machine; the report gives the median round,
     split into forward+backward and update, and how far apart the two runs' weights end."""
     ref = Transformer(model.config).to(device)
@@ -585,8 +585,7 @@ def main(argv):
     def update():
         if cfg.grad_clip:
             scaler.unscale_(optimizer)
-            # foreach: one pass over all gradients, not a loop of small ops per tensor
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=True)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
