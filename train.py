@@ -286,10 +286,7 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
     split into forward+backward and update, and how far apart the two runs' weights end."""
     ref = Transformer(model.config).to(device)
     ref.load_state_dict(model.state_dict())
-    params = [p for p in ref.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([dict(params=[p for p in params if p.dim() >= 2], weight_decay=cfg.weight_decay),
-                             dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
-                            lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    opt = configure_optimizer(ref, cfg, fused=device.type == "cuda")
     compiled = torch.compile(ref) if cfg.compile and device.type == "cuda" else ref
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -301,12 +298,7 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
             scaler.scale(loss).backward()
 
     def update():
-        if cfg.grad_clip:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.grad_clip)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(ref, opt, scaler, cfg.grad_clip)
 
     def apart():
         return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
@@ -502,7 +494,7 @@ def main(argv):
     torch.manual_seed(cfg.seed + rank)  # each rank its own dropout; DDP copies rank 0's weights to all
     model = Transformer(model_config).to(device)
     raw_model = model
-    optimizer = configure_optimizer(model, cfg, device)
+    optimizer = configure_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
@@ -583,12 +575,7 @@ def main(argv):
         return step_loss
 
     def update():
-        if cfg.grad_clip:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(model, optimizer, scaler, cfg.grad_clip)
 
     if cfg.bench:
         report = bench((forward_backward, update), raw_model, cfg, device, dtype,
@@ -690,13 +677,23 @@ def prepare_out_dir(path):
             os.remove(os.path.join(path, name))
 
 
-def configure_optimizer(model, cfg, device):
-    """AdamW that decays matrices (weights of Linear and Embedding) but not biases and norm gains."""
+def configure_optimizer(model, cfg, fused):
+    """AdamW that decays matrices (weights of Linear and Embedding) but not biases and norm gains.
+    fused: one kernel for the whole update instead of ~10 small operations per tensor."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=cfg.weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    fused = device.type in ("cuda", "cpu")  # one kernel for the whole update, not ~10 small ops per tensor
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+def optimizer_step(model, optimizer, scaler, grad_clip):
+    """Clip the gradients (unscaled first, under fp16), step, and clear them for the next batch."""
+    if grad_clip:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
 
 
 if __name__ == "__main__":
