@@ -281,9 +281,9 @@ def sync(device):
 def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5, iters=20, warmup=10):
     """Time train.py's iteration, ours = (forward_backward(it), update()) on model, against
     nanoGPT's recipe on a copy of the model: AdamW fused only on CUDA, compiled only on a GPU (as
-    nanoGPT's train.py and its CPU example do). The two run
-    in alternating rounds, so that both see the same machine; the report gives the median round,
-    split into forward+backward and update, and how far apart the two runs' weights end."""
+    nanoGPT's train.py and its CPU example do). The two run in alternating rounds, so that both
+    see the same machine; the report gives the median round, split into forward+backward and
+    update, and how far apart the two runs' weights end."""
     ref = Transformer(model.config).to(device)
     ref.load_state_dict(model.state_dict())
     opt = configure_optimizer(ref, cfg, fused=device.type == "cuda")
