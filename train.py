@@ -4,6 +4,7 @@ Train any member of the family on one device or many.
     python train.py configs/shakespeare_char_cpu.py
     python train.py configs/shakespeare_char.py --n_layer=4 --pos=rope --max_iters=2000
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py
+    python train.py configs/shakespeare_char_cpu.py --bench   # time it against nanoGPT's recipe
 
 Settings come from TrainConfig below and from ModelConfig (model.py); a config file is Python
 that assigns some of them, and --key=value overrides either. The objective follows the
