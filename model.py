@@ -584,7 +584,8 @@ class Transformer(nn.Module):
         size = self.cache_size(256 * math.ceil((idx.size(1) + max_new_tokens) / 256))
         crop = slice(-c.block_size, None)  # the model sees at most block_size tokens
 
-        def prefill(tokens, valid):
+        def prefill(idx, mask):  # the last block_size tokens into a fresh cache
+            tokens, valid = idx[:, crop], None if mask is None else mask[:, crop]
             self.setup_kv_cache(tokens.size(0), size, memory, dtype)
             pos = torch.arange(tokens.size(1), device=tokens.device)[None]
             if valid is not None:
@@ -592,7 +593,7 @@ class Transformer(nn.Module):
             return self(tokens, mask=valid, src_mask=src_mask, input_pos=pos)[0][:, -1], pos[:, -1:]
 
         try:
-            logits, pos = prefill(idx[:, crop], None if mask is None else mask[:, crop])
+            logits, pos = prefill(idx, mask)
             for i in range(max_new_tokens):
                 idx_next = sample(logits[:, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
                 yield idx_next
@@ -603,7 +604,7 @@ class Transformer(nn.Module):
                 if self.absolute_positions and idx.size(1) > c.block_size:
                     # absolute positions must shift: recompute the last block_size tokens as
                     # nanoGPT does (no cache saving from here on)
-                    logits, pos = prefill(idx[:, crop], None if mask is None else mask[:, crop])
+                    logits, pos = prefill(idx, mask)
                 else:
                     pos = pos + 1  # on the device, so the loop never waits for it
                     logits = self.decode(idx_next, pos, src_mask)

@@ -18,7 +18,6 @@ import codecs
 import copy
 import html
 import json
-import math
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 from model import ModelConfig, Transformer, quantize_int8, sample, speculative_generate
 from prepare import PrepareError, Tokenizer
 from train import (TrainConfig, UsageError, batch_rng, get_batch, load_checkpoint, parse_settings, pick_device,
-                   pick_dtype, sync)
+                   pick_dtype, timed)
 
 MASK = "[MASK]"
 
@@ -226,16 +225,12 @@ def speculate(model, tok, prompt, cfg, device, write):
     accepted = proposed = 0
     times = {"target alone": 0.0, "speculative": 0.0}
     for _ in range(cfg.num_samples):
-        t0 = time.time()
-        out, a, p = speculative_generate(model, draft, idx, *args[:1], cfg.draft_k, *args[1:], tok.vocab_size)
-        sync(device)
-        times["speculative"] += time.time() - t0
+        (out, a, p), dt = timed(lambda: speculative_generate(model, draft, idx, *args[:1], cfg.draft_k, *args[1:],
+                                                             tok.vocab_size), device)
+        times["speculative"] += dt
         accepted, proposed = accepted + a, proposed + p
         write(tok.decode(out[0].tolist()) + "\n---------------\n")
-        t0 = time.time()
-        model.generate(idx, *args, vocab_limit=tok.vocab_size)
-        sync(device)
-        times["target alone"] += time.time() - t0
+        times["target alone"] += timed(lambda: model.generate(idx, *args, vocab_limit=tok.vocab_size), device)[1]
     n = cfg.num_samples * cfg.max_new_tokens
     rate = {k: n / v for k, v in times.items()}
     print(f"sample.py: draft tokens accepted {accepted}/{proposed} ({accepted / max(proposed, 1):.1%}); "
@@ -420,15 +415,7 @@ def floor_seconds(model, x_dtype, reps=5):
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     dev = weights[0].device
     xs = {w.size(1): torch.randn(1, w.size(1), device=dev, dtype=x_dtype) for w in weights}
-    best = math.inf
-    for _ in range(reps):
-        sync(dev)
-        t0 = time.perf_counter()
-        for w in weights:
-            F.linear(xs[w.size(1)], w.to(x_dtype))
-        sync(dev)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return min(timed(lambda: [F.linear(xs[w.size(1)], w.to(x_dtype)) for w in weights], dev)[1] for _ in range(reps))
 
 
 def no_cache_generate(model, idx, n):
@@ -480,11 +467,7 @@ def bench(config, device, dtype, compile=False, news=(64, 256), prompt=16):
             for name, run in (("cache", lambda: model.generate(idx, n, top_k=200)),
                               ("no cache", lambda: no_cache_generate(model, idx, n)),
                               ("int8", lambda: int8.generate(idx, n, top_k=200))):
-                sync(device)
-                t0 = time.perf_counter()
-                run()
-                sync(device)
-                rates[name] = n / (time.perf_counter() - t0)
+                rates[name] = n / timed(run, device)[1]
             print(f"{n:>10} | {rates['cache']:>7.1f} tok/s | {rates['no cache']:>7.1f} tok/s | "
                   f"{rates['int8']:>7.1f} tok/s | {rates['cache'] / rates['no cache']:>15.1f}x | "
                   f"{1 / rates['cache'] / floor:>15.2f}x")

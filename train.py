@@ -279,6 +279,15 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def timed(fn, device):
+    """fn()'s result and the seconds it took, the device's queued work included."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
 def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5, iters=20, warmup=10):
     """Time train.py's iteration, ours = (forward_backward(it), update()) on model, against
     nanoGPT's recipe on a copy of the model: AdamW fused only on CUDA, compiled only on a GPU (as
@@ -298,17 +307,17 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
                 loss = compiled(**batch(it, micro))[1] / cfg.gradient_accumulation_steps
             scaler.scale(loss).backward()
 
-    def update():
-        optimizer_step(ref, opt, scaler, cfg.grad_clip)
-
     def apart():
         return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
 
-    runs = {"nanoGPT's recipe": (forward_backward, update), "train.py": ours}
+    runs = {"nanoGPT's recipe": (forward_backward, lambda: optimizer_step(ref, opt, scaler, cfg.grad_clip)),
+            "train.py": ours}
     for it in range(warmup):  # warm up (and compile) outside the timings
         for fb, up in runs.values():
-            fb(it), up()
-        first = apart() if it == 0 else first
+            fb(it)
+            up()
+        if it == 0:
+            first = apart()
     times = {name: [] for name in runs}  # per round: (forward+backward, update) seconds per iteration
     memory = {name: 0 for name in runs}
     for r in range(rounds):
@@ -317,12 +326,8 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
                 torch.cuda.reset_peak_memory_stats(device)
             spent = [0.0, 0.0]
             for it in range(warmup + r * iters, warmup + (r + 1) * iters):
-                for phase, work in enumerate((lambda: fb(it), up)):
-                    sync(device)
-                    t0 = time.perf_counter()
-                    work()
-                    sync(device)
-                    spent[phase] += (time.perf_counter() - t0) / iters
+                spent[0] += timed(lambda: fb(it), device)[1] / iters
+                spent[1] += timed(up, device)[1] / iters
             times[name].append(spent)
             if device.type == "cuda":
                 memory[name] = max(memory[name], torch.cuda.max_memory_allocated(device))
