@@ -7,6 +7,7 @@ encoder and decoder stacks; the model with its heads and loss; generation.
 
 One config expresses GPT-2, BERT, T5, Llama and the original Transformer:
   GPT-2     arch="decoder", pos="learned", norm="layernorm", mlp="gelu"
+  nanoGPT   GPT-2 with bias=False, gelu_approximate="none"
   BERT      arch="encoder", pos="learned", norm_first=False
   T5        arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp="relu" or "geglu", bias=False
   Llama     arch="decoder", pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_head < n_head, bias=False
@@ -27,6 +28,7 @@ ARCHS = ("decoder", "encoder", "encoder-decoder")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "swiglu", "geglu")
+GELUS = ("tanh", "none")
 ATTN_IMPLS = ("auto", "triton", "sdpa", "math")
 
 
@@ -50,6 +52,7 @@ class ModelConfig:
     norm_first: bool = True  # True: pre-norm (GPT-2, Llama, T5); False: post-norm (Vaswani, BERT)
     norm_eps: float = 1e-5
     mlp: str = "gelu"  # "gelu", "relu", "swiglu" (Llama) or "geglu" (T5 v1.1)
+    gelu_approximate: str = "tanh"  # "tanh" (GPT-2's approximation) or "none" (exact erf GELU, as nanoGPT)
     n_expert: int = 0  # 0 = dense MLP; > 0 = mixture of this many expert MLPs
     expert_top_k: int = 2  # experts each token is routed to
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss in the training loss
@@ -61,7 +64,7 @@ class ModelConfig:
 
     def __post_init__(self):
         for name, choices in [("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS),
-                              ("mlp", MLPS), ("attn_impl", ATTN_IMPLS)]:
+                              ("mlp", MLPS), ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS)]:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known: choose one of "
                                  + ", ".join(map(repr, choices)))
@@ -286,7 +289,7 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.kind = config.mlp
+        self.kind, self.approximate = config.mlp, config.gelu_approximate
         gated = config.mlp in ("swiglu", "geglu")
         self.c_fc = nn.Linear(config.n_embd, (1 + gated) * config.mlp_hidden, bias=config.bias)
         self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
@@ -297,10 +300,10 @@ class MLP(nn.Module):
         if self.kind == "relu":
             h = F.relu(h)
         elif self.kind == "gelu":
-            h = F.gelu(h, approximate="tanh")  # GPT-2's and BERT's tanh approximation
+            h = F.gelu(h, approximate=self.approximate)
         else:
             h, gate = h.chunk(2, dim=-1)
-            h = h * (F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh"))
+            h = h * (F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate=self.approximate))
         return self.dropout(self.c_proj(h))
 
 
@@ -458,7 +461,8 @@ class Transformer(nn.Module):
         self.decoder = Stack(config, causal=True, cross=cross) if config.arch != "encoder" else None
         self.mlm_head = None
         if config.arch == "encoder":  # BERT transforms the hidden state once more before predicting
-            self.mlm_head = nn.Sequential(nn.Linear(C, C, bias=config.bias), nn.GELU("tanh"), make_norm(config))
+            self.mlm_head = nn.Sequential(nn.Linear(C, C, bias=config.bias), nn.GELU(config.gelu_approximate),
+                                          make_norm(config))
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
         if config.tie_embeddings:  # one matrix reads and writes tokens (Press & Wolf 2017)
             self.lm_head.weight = self.wte.weight

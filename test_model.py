@@ -348,6 +348,22 @@ def test_swiglu_default_hidden_keeps_the_parameter_count_of_a_plain_mlp():
     assert swiglu.c_proj.in_features == 2048 and n[0] == n[1]
 
 
+@pytest.mark.parametrize("mlp", ["gelu", "geglu"])
+def test_gelu_approximate_picks_gpt2s_tanh_form_or_the_exact_erf_form(mlp):
+    x = torch.randn(2, 5, 32) * 30  # pre-activations of order 1, where the two forms differ most
+    out = {}
+    for form in ("tanh", "none"):
+        ffn = model_of(mlp=mlp, gelu_approximate=form).decoder.h[0].mlp
+        h = ffn.c_fc(x)
+        gate = h if mlp == "gelu" else h.chunk(2, -1)[1]
+        cdf = (1 + torch.erf(gate / math.sqrt(2))) / 2 if form == "none" else \
+            (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3))) / 2
+        act = gate * cdf if mlp == "gelu" else h.chunk(2, -1)[0] * gate * cdf
+        out[form] = ffn(x)
+        torch.testing.assert_close(out[form], ffn.c_proj(act))
+    assert (out["tanh"] - out["none"]).abs().max() > 1e-5  # the two forms really differ
+
+
 def test_residual_projections_start_smaller_than_other_weights():
     model = model_of(n_layer=8, n_embd=256, n_head=4)
     proj = model.decoder.h[0].attn.c_proj.weight.std().item()
@@ -456,6 +472,7 @@ def test_same_seed_same_text():
     (dict(arch="gpt"), "'decoder', 'encoder', 'encoder-decoder'"),
     (dict(norm="batchnorm"), "'layernorm', 'rmsnorm'"),
     (dict(mlp="tanh"), "'swiglu'"),
+    (dict(gelu_approximate="erf"), "gelu_approximate='erf' is not known: choose one of 'tanh', 'none'"),
     (dict(attn_impl="flash"), "'math'"),
     (dict(n_expert=2, expert_top_k=3), "expert_top_k=3 must lie between 1 and n_expert=2"),
     (dict(window=-1), "window=-1"),
