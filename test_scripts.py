@@ -1,5 +1,6 @@
 """prepare.py, train.py and sample.py end to end, on a small local text (no network)."""
 
+import dataclasses
 import json
 import os
 import random
@@ -13,8 +14,10 @@ import torch
 
 import prepare
 import train
+from model import ModelConfig, Transformer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = sorted(name for name in os.listdir(os.path.join(HERE, "configs")) if name.endswith(".py"))
 TINY = ["--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=8", "--learning_rate=3e-3"]
 
@@ -185,6 +188,20 @@ def test_settings_suggest_the_closest_key_and_check_types():
         train.parse_settings(["--n_layer=four"])
     given = train.parse_settings(["--n_kv_head=None", "--pos=rope", "--min_lr=0", "--compile=True"])
     assert given == dict(n_kv_head=None, pos="rope", min_lr=0.0, compile=True)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_file_gives_a_valid_model(name, monkeypatch):
+    monkeypatch.syspath_prepend(HERE)  # configs import their base config as configs.<name>
+    given = train.parse_settings([os.path.join(HERE, "configs", name)])
+    model_keys = {f.name for f in dataclasses.fields(ModelConfig)}
+    config = ModelConfig(vocab_size=65, **{k: v for k, v in given.items() if k in model_keys})
+    with torch.device("meta"):
+        Transformer(config)
+    if name == "shakespeare_char_cpu.py":  # nanoGPT's model: no biases, the exact GELU
+        assert (config.bias, config.gelu_approximate) == (False, "none")
+    if name in ("shakespeare_char_bert.py", "shakespeare_char_t5.py"):  # their own models' GELU
+        assert config.gelu_approximate == "tanh"
 
 
 # ----------------------------------------------------------------------------------------------

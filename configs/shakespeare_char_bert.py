@@ -11,5 +11,7 @@ from configs.shakespeare_char_cpu import *  # the CPU baseline; what differs fol
 out_dir = "out-shakespeare-char-bert"
 arch = "encoder"
 norm_first = False  # BERT normalises after each residual addition
+bias = True  # BERT's biases and its GELU, the tanh form (the CPU baseline has nanoGPT's instead)
+gelu_approximate = "tanh"
 pos = "rope"
 warmup_iters = 200  # post-norm wants a gentler start than pre-norm

@@ -1,4 +1,5 @@
-# The CPU run of nanoGPT's README, as a config: a few minutes on a laptop's cores.
+# The CPU run of nanoGPT's README, as a config: a few minutes on a laptop's cores. The model is
+# nanoGPT's: no biases (its train.py default) and the exact erf GELU (its nn.GELU()).
 # python prepare.py shakespeare_char && python train.py configs/shakespeare_char_cpu.py
 out_dir = "out-shakespeare-char-cpu"
 dataset = "shakespeare_char"
@@ -12,6 +13,8 @@ n_layer = 4
 n_head = 4
 n_embd = 128
 dropout = 0.0
+bias = False
+gelu_approximate = "none"
 learning_rate = 1e-3
 max_iters = 2000
 lr_decay_iters = 2000

@@ -10,5 +10,6 @@ arch = "encoder-decoder"
 pos = "relative"
 norm = "rmsnorm"
 mlp = "geglu"
+gelu_approximate = "tanh"  # T5 v1.1's gated GELU is the tanh form
 bias = False
 tie_embeddings = False  # T5 v1.1 unties the output layer
