@@ -76,6 +76,15 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
     train = lambda out, *a: run("train.py", "--dataset=verse", f"--out_dir={out}", "--init_from=resume", *TINY, *a,
                                 cwd=d)  # noqa: E731
     one_line_error(train("out-ok", "--n_layer=3"), "--n_layer=3 does not match the checkpoint's n_layer=2")
+    # a checkpoint from before gelu_approximate existed was trained with its default, the tanh form
+    old = torch.load(d / "out-ok" / "ckpt.pt", weights_only=False)
+    del old["model_config"]["gelu_approximate"]
+    os.makedirs(d / "out-old")
+    torch.save(old, d / "out-old" / "ckpt.pt")
+    one_line_error(train("out-old", "--gelu_approximate=none"),
+                   "--gelu_approximate='none' does not match the checkpoint's gelu_approximate='tanh'")
+    code, _, err = train("out-old", "--max_iters=5")
+    assert code == 0, err
     whole = (d / "out-ok" / "ckpt.pt").read_bytes()
     for name, data in [("truncated", whole[: len(whole) // 2]), ("garbage", os.urandom(4096))]:
         os.makedirs(d / f"out-{name}", exist_ok=True)

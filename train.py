@@ -471,8 +471,8 @@ def main(argv):
     ckpt = None
     if cfg.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path, "cpu")
-        saved = ckpt["model_config"]
-        clash = {k: (v, saved[k]) for k, v in model_args.items() if saved.get(k) != v}
+        saved = asdict(ModelConfig(**ckpt["model_config"]))  # a field newer than the checkpoint: its default
+        clash = {k: (v, saved[k]) for k, v in model_args.items() if saved[k] != v}
         if clash:
             k, (want, have) = next(iter(clash.items()))
             raise UsageError(f"--{k}={want!r} does not match the checkpoint's {k}={have!r}: drop it to resume, "
