@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model import ModelConfig, Transformer, quantize_int8, sample, speculative_generate
+from model import Int8Linear, ModelConfig, Transformer, quantize_int8, sample, speculative_generate
 from prepare import PrepareError, Tokenizer
 from train import (TrainConfig, UsageError, batch_rng, get_batch, load_checkpoint, parse_settings, pick_device,
                    pick_dtype, timed)
@@ -449,7 +449,7 @@ def bench(config, device, dtype, compile=False, news=(64, 256), prompt=16):
     print(f"floor (F.linear over every weight once): {floor * 1e3:.1f} ms/token = {1 / floor:.1f} tokens/s")
     linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     int8_bytes = sum(m.weight.numel() + m.scale.numel() * m.scale.element_size() for m in int8.modules()
-                     if hasattr(m, "scale"))
+                     if isinstance(m, Int8Linear))
     print(f"Linear weights: {sum(w.numel() * w.element_size() for w in linear) / 2**20:.1f} MiB, "
           f"int8: {int8_bytes / 2**20:.1f} MiB")
     with torch.no_grad():

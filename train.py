@@ -471,7 +471,8 @@ def main(argv):
     ckpt = None
     if cfg.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path, "cpu")
-        saved = asdict(ModelConfig(**ckpt["model_config"]))  # a field newer than the checkpoint: its default
+        model_config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
+        saved = asdict(model_config)
         clash = {k: (v, saved[k]) for k, v in model_args.items() if saved[k] != v}
         if clash:
             k, (want, have) = next(iter(clash.items()))
@@ -480,7 +481,6 @@ def main(argv):
         if ckpt["meta"]["vocab_size"] != meta["vocab_size"] or ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
             raise UsageError(f"{ckpt_path} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
                              f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with its --dataset")
-        model_config = ModelConfig(**saved)
     elif cfg.init_from == "scratch":
         try:
             arch = model_args.get("arch", ModelConfig.arch)
