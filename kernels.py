@@ -32,6 +32,8 @@ try:
 except ImportError:  # e.g. a CPU-only torch: the module still imports, flash_attention says what is missing
     available = False
 
+MAX_HEAD_SIZE = 128  # a (block, head size) tile of Q, K, V and the output must fit in registers/SRAM
+
 # Triton reads TRITON_INTERPRET when a kernel is defined, so this must agree with what it sees then.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -58,8 +60,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, alibi_slopes=None, win
     B, Hq, Tq, D = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v must share one dtype of fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if D > 128:
-        raise ValueError(f"head size {D} is not supported (at most 128)")
+    if D > MAX_HEAD_SIZE:
+        raise ValueError(f"head size {D} is not supported (at most {MAX_HEAD_SIZE}): use torch's attention")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.device.type != "cuda" and not INTERPRET:

@@ -11,7 +11,8 @@ One config expresses GPT-2, BERT, T5, Llama and the original Transformer:
   BERT      arch="encoder", pos="learned", norm_first=False
   T5        arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp="relu" or "geglu", bias=False
   Llama     arch="decoder", pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_head < n_head, bias=False
-  Vaswani   arch="encoder-decoder", pos="sinusoidal", norm_first=False, mlp="relu"
+  Vaswani   arch="encoder-decoder", pos="sinusoidal", norm_first=False, mlp="relu" (plus BERT's
+            norm of the embeddings, which post-norm stacks here share)
 """
 
 import math
@@ -68,8 +69,8 @@ class ModelConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known: choose one of "
                                  + ", ".join(map(repr, choices)))
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_size", "mlp_hidden"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:  # None: derived below
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
@@ -98,8 +99,16 @@ class ModelConfig:
             raise ValueError(f"window={self.window} must be 0 (full attention) or a positive span")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must lie in [0, 1)")
+        if self.pos == "relative" and not 4 <= self.rel_buckets < 2 * self.rel_max_distance:
+            # each stack needs its exact buckets (rel_buckets / 2 offsets in a decoder, half as many per
+            # direction in an encoder) to end below max_distance, where the log-spaced ones stop
+            raise ValueError(f"rel_buckets={self.rel_buckets}, rel_max_distance={self.rel_max_distance}: need at "
+                             "least 4 buckets and rel_max_distance above rel_buckets / 2 (T5: 32 and 128)")
         if self.attn_impl == "triton" and self.pos == "relative":
             raise ValueError("the Triton kernel has no T5 relative bias: use attn_impl='auto' or 'sdpa' with it")
+        if self.attn_impl == "triton" and self.head_size > kernels.MAX_HEAD_SIZE:
+            raise ValueError(f"the Triton kernel takes heads of at most {kernels.MAX_HEAD_SIZE}, not head_size="
+                             f"{self.head_size}: use attn_impl='auto' or 'sdpa'")
         if self.attn_impl == "triton" and self.dropout:
             raise ValueError("the Triton kernel does not drop attention weights: set dropout=0, or use "
                              "attn_impl='auto', which takes the kernel whenever dropout is off")
@@ -177,15 +186,16 @@ class Mask(NamedTuple):
     window: int = 0  # see only keys fewer than `window` positions away
     alibi: torch.Tensor | None = None  # (nh,) ALiBi slopes
     valid: torch.Tensor | None = None  # (B, Tk) False for padding keys
-    bias: torch.Tensor | None = None  # the dense form; None when `causal` alone (or nothing) applies
+    bias: torch.Tensor | None = None  # the dense form; None when nothing or `causal` alone (Tq == Tk) applies
 
 
 def attn_impl(config, device, training):
     """The attention path: the Triton kernel on CUDA where it applies (no relative bias, no
-    attention dropout), else torch's SDPA; or what the config asks for."""
+    attention dropout, heads of at most 128), else torch's SDPA; or what the config asks for."""
     if config.attn_impl != "auto":
         return config.attn_impl
-    kernel_fits = config.pos != "relative" and not (training and config.dropout)
+    kernel_fits = (config.pos != "relative" and not (training and config.dropout)
+                   and config.head_size <= kernels.MAX_HEAD_SIZE)
     return "triton" if device.type == "cuda" and kernels.available and kernel_fits else "sdpa"
 
 
@@ -309,8 +319,8 @@ class MLP(nn.Module):
 
 class MoE(nn.Module):
     """Mixture of experts (Shazeer 2017; Switch; Mixtral): a router sends each token to its top-k
-    expert MLPs and mixes their outputs by the router's probabilities. More parameters, the same
-    compute per token."""
+    expert MLPs and mixes their outputs by the router's probabilities. n_expert times the MLP's
+    parameters for top_k times its compute per token: capacity grows faster than cost."""
 
     def __init__(self, config):
         super().__init__()
@@ -397,17 +407,17 @@ class Stack(nn.Module):
             x = x + self.wpe(pos)
         elif c.pos == "sinusoidal":  # Vaswani et al. scale the embeddings so the sines do not drown them
             x = x * math.sqrt(c.n_embd) + sinusoidal(pos, c.n_embd).to(x.dtype)
-        x = self.drop(x)
         if not c.norm_first:
             x = self.ln_f(x)  # post-norm ends each block with a norm; BERT normalises the input instead
+        x = self.drop(x)
         if self.cache_valid is not None:  # keys are the cached positions followed by the new ones
             new = valid if valid is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
             valid = torch.cat((self.cache_valid, new), dim=1)
             self.cache_valid.copy_(valid[:, -self.cache_valid.size(1):])
         # what each query may see; cross-attention sees every real encoder position. Generating,
         # no query looks further back than block_size, the span the model was trained on: past
-        # it, a model with relative positions decodes as a sliding-window model (absolute ones
-        # recompute their context instead, see generate_tokens)
+        # it, prompt and output alike, a model with relative positions is a sliding-window model
+        # (absolute ones recompute their context instead, see generate_tokens)
         window = c.window if self.cache_valid is None else min(c.window or c.block_size, c.block_size)
         if attn_impl(c, x.device, self.training) == "triton":  # the kernel masks block by block
             mask = Mask(self.causal, window, self.slopes if c.pos == "alibi" else None, valid)
@@ -484,9 +494,8 @@ class Transformer(nn.Module):
         (B, T) gives the positions of idx; generate() passes it while the KV cache is set up."""
         c = self.config
         B, T = idx.shape
-        if c.pos == "learned" and input_pos is None and T > c.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size={c.block_size}, the "
-                             "end of the learned position table: crop the input")
+        if input_pos is None:
+            self.check_length(T)
         pos = torch.arange(T, device=idx.device) if input_pos is None else input_pos
         pos = pos.view(-1, T)  # (B|1, T)
         if c.arch == "encoder":
@@ -494,8 +503,7 @@ class Transformer(nn.Module):
         else:
             memory = None
             if src is not None:
-                src_pos = torch.arange(src.size(1), device=src.device)[None]
-                memory = self.encoder(self.wte(src), src_pos, src_mask)
+                memory = self.encode(src, src_mask)
             elif c.arch == "encoder-decoder" and self.decoder.h[0].cross_attn.kv_cache is None:
                 raise ValueError("an encoder-decoder needs src: model(idx, targets, src=src)")
             x = self.decoder(self.wte(idx), pos, mask, memory, src_mask)
@@ -506,6 +514,16 @@ class Transformer(nn.Module):
             if c.n_expert:
                 loss = loss + c.moe_aux_weight * sum(m.aux_loss for m in self.modules() if isinstance(m, MoE))
         return logits, loss
+
+    def encode(self, src, src_mask=None):
+        """The encoder's output (B, S, C) for src (B, S): the memory the decoder attends to."""
+        self.check_length(src.size(1))
+        return self.encoder(self.wte(src), torch.arange(src.size(1), device=src.device)[None], src_mask)
+
+    def check_length(self, T):
+        if self.config.pos == "learned" and T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}, the "
+                             "end of the learned position table: crop the input")
 
     # ------------------------------------------------------------------------------------------
     # Generation
@@ -570,9 +588,9 @@ class Transformer(nn.Module):
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None,
                         src_mask=None, vocab_limit=None, mask=None):
         """Yield each new token (B, 1) as soon as it is sampled. After a prefill of idx, each step
-        feeds only the newest token through the KV cache, and nothing waits for the device. A
-        left-padded row counts its positions from its first real token, so it decodes as it
-        would alone."""
+        feeds only the newest token through the KV cache, and nothing waits for the device (but a
+        mixture of experts, whose routing sizes each expert's batch on the host). A left-padded row
+        counts its positions from its first real token, so it decodes as it would alone."""
         c = self.config
         if c.arch == "encoder":
             raise ValueError("an encoder does not generate: fill masked tokens with one forward pass")
@@ -582,13 +600,15 @@ class Transformer(nn.Module):
         dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else None
         memory = None
         if src is not None:
-            memory = self.encoder(self.wte(src), torch.arange(src.size(1), device=src.device)[None], src_mask)
+            memory = self.encode(src, src_mask)
         # rounded up, so that prompts of other lengths reuse one compiled decode step: the unused
         # (oldest) slots are marked empty; a window or a learned table still caps the size
         size = self.cache_size(256 * math.ceil((idx.size(1) + max_new_tokens) / 256))
-        crop = slice(-c.block_size, None)  # the model sees at most block_size tokens
+        # the model sees at most block_size tokens: with absolute positions the last block_size of
+        # the prompt; with relative ones all of it, each query through a window of block_size
+        crop = slice(-c.block_size, None) if self.absolute_positions else slice(None)
 
-        def prefill(idx, mask):  # the last block_size tokens into a fresh cache
+        def prefill(idx, mask):  # the prompt (cropped) into a fresh cache
             tokens, valid = idx[:, crop], None if mask is None else mask[:, crop]
             self.setup_kv_cache(tokens.size(0), size, memory, dtype)
             pos = torch.arange(tokens.size(1), device=tokens.device)[None]
@@ -623,12 +643,12 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
         return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()
     logits = logits.float() / temperature
     if top_k is not None:  # keep the k most likely tokens
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # a slice: no index tensor to copy
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:  # nucleus: keep the most likely tokens whose probabilities add up to top_p
+    if top_p is not None and top_p < 1:  # nucleus: the most likely tokens whose probabilities reach top_p
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        outside = probs.cumsum(dim=-1) - probs > top_p  # the mass before this token already reaches p
+        outside = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token already reaches p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
     return logits.softmax(dim=-1)
 
@@ -743,7 +763,7 @@ class Int8Linear(nn.Module):
     def forward(self, x):
         if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):  # torch's int8 x float kernel
             y = torch._weight_int8pack_mm(x.reshape(-1, x.size(-1)), self.weight, self.scale.to(x.dtype))
-            y = y.view(*x.shape[:-1], -1)
+            y = y.view(*x.shape[:-1], self.weight.size(0))  # not -1: x may hold no rows (an idle expert)
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
         return y if self.bias is None else y + self.bias

@@ -7,7 +7,7 @@ Sample from a trained model; the text streams to stdout as it is generated.
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompts.txt --batch   # one per line
     python sample.py --out_dir=out-shakespeare-char --draft_dir=out-small              # speculative
     python sample.py --out_dir=out-shakespeare-char --quantize=int8 --attention=attn.html
-    python sample.py --out_dir=out-bert-char --start="To be, or not to be: [MASK][MASK][MASK][MASK] is the question"
+    python sample.py --out_dir=out-shakespeare-char-bert --start="To be, or not to be: [MASK][MASK][MASK][MASK] is the question"
     python sample.py --bench                                                            # decoding speed
 
 A decoder continues the prompt. An encoder (masked LM) fills each [MASK] with one token; an
@@ -80,10 +80,11 @@ def check(cfg):
 
 def load(out_dir, which, device):
     """The model, its tokenizer and its special tokens from out_dir."""
-    path = os.path.join(out_dir, "best.pt" if which == "best" else "ckpt.pt")
-    if which == "best" and not os.path.exists(path):
-        path = os.path.join(out_dir, "ckpt.pt")
-    ckpt = load_checkpoint(path, device, other="--ckpt=latest" if which == "best" else "--ckpt=best")
+    path = {"best": os.path.join(out_dir, "best.pt"), "latest": os.path.join(out_dir, "ckpt.pt")}
+    if which == "best" and not os.path.exists(path["best"]):
+        which = "latest"
+    other = "latest" if which == "best" else "best"
+    ckpt = load_checkpoint(path[which], device, f"try --ckpt={other}" if os.path.exists(path[other]) else None)
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), Tokenizer(ckpt["meta"]), ckpt
@@ -166,9 +167,9 @@ def encode_prompt(model, tok, prompt):
     if not ids:
         raise UsageError("the prompt is empty: give --start some text (the default is a newline)")
     block = model.config.block_size
-    if model.config.pos == "learned" and len(ids) > block:
+    if model.absolute_positions and len(ids) > block:  # relative positions slide a window over it instead
         print(f"sample.py: the prompt is {len(ids)} tokens, longer than the {block} positions this model "
-              f"learned: it sees the last {block}", file=sys.stderr)
+              f"knows: it sees the last {block}", file=sys.stderr)
     return ids
 
 
@@ -242,6 +243,13 @@ def speculate(model, tok, prompt, cfg, device, write):
 # ----------------------------------------------------------------------------------------------
 # Encoders and encoder-decoders: fill the blanks
 
+def check_fits(model, ids):
+    """An encoder reads its whole text at once: with learned positions it must fit the table."""
+    if model.config.pos == "learned" and len(ids) > model.config.block_size:
+        raise UsageError(f"the text is {len(ids)} tokens, longer than the model's block_size="
+                         f"{model.config.block_size}: shorten it")
+
+
 def fill_masks(model, tok, special, prompt, cfg, device, write):
     """Masked LM: fill the masks left to right, each seeing the ones filled before it."""
     pieces = prompt.split(MASK)
@@ -251,9 +259,7 @@ def fill_masks(model, tok, special, prompt, cfg, device, write):
         if i < len(pieces) - 1:
             holes.append(len(ids))
             ids.append(special["mask"])
-    if model.config.pos == "learned" and len(ids) > model.config.block_size:
-        raise UsageError(f"the text is {len(ids)} tokens, longer than the model's block_size="
-                         f"{model.config.block_size}: shorten it")
+    check_fits(model, ids)
     x = torch.tensor([ids], device=device)
     text = text_of(tok)
     write(pieces[0])
@@ -270,11 +276,15 @@ def fill_spans(model, tok, special, prompt, cfg, device, write):
     by span k, and sentinel n after the last of the n spans."""
     pieces = prompt.split(MASK)
     first = special["sentinel"]
+    if len(pieces) > special["n_sentinel"]:  # n spans take n + 1 sentinels: the last one ends the output
+        raise UsageError(f"the prompt has {len(pieces) - 1} {MASK}s; this model fills at most "
+                         f"{special['n_sentinel'] - 1} spans: use fewer")
     ids = []
     for i, piece in enumerate(pieces):
         ids += tok.encode(piece)
         if i < len(pieces) - 1:
             ids.append(first + i)
+    check_fits(model, ids)
     src = torch.tensor([ids], device=device)
     out = [special["start"]]
     text = text_of(tok)

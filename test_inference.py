@@ -170,6 +170,7 @@ def test_int8_linear_is_within_half_a_step_per_weight_and_4x_smaller():
     assert (err <= bound + 1e-5).all()
     assert q.weight.dtype == torch.int8 and q.weight.numel() * 4 == linear.weight.numel() * linear.weight.element_size()
     assert (q.weight.abs().amax(dim=1) == 127).all()  # each row's largest weight uses the full range
+    assert q(torch.randn(0, 64)).shape == (0, 48)  # no rows: what an expert gets when no token picks it
 
 
 def test_quantize_int8_replaces_every_linear_and_keeps_the_logits_close():
@@ -183,6 +184,11 @@ def test_quantize_int8_replaces_every_linear_and_keeps_the_logits_close():
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 5 + 1  # q, kv, proj, fc, proj; head
     assert ((after - before).abs().max() / before.abs().max()) < 0.05
     assert model.generate(idx, 5).shape == (2, 15)
+
+
+def test_an_int8_mixture_of_experts_decodes_though_most_experts_get_no_token():
+    model = quantize_int8(model_of(n_expert=4, expert_top_k=1))
+    assert model.generate(prompt(3, B=1), 4, temperature=0).shape == (1, 7)  # one token a step: 3 experts idle
 
 
 # ----------------------------------------------------------------------------------------------

@@ -76,7 +76,8 @@ def make(c, dtype, seed=0):
 
 
 # A compact cover: every feature appears, alone and combined, with lengths 1, 17, 100, 130 (tails
-# of partial blocks) and head sizes 16, 32, 48 (padded to 64 inside), 64.
+# of partial blocks) and head sizes 8 (padded to 16 inside), 16, 32, 48 and 80 (padded to 64 and
+# 128), 64, 128 (the largest the kernel takes).
 CASES = [
     case("bidirectional-T128-D64", B=2, Tq=128, Tk=128, D=64),
     case("causal-T128-D64", Tq=128, Tk=128, D=64, causal=True),
@@ -84,6 +85,9 @@ CASES = [
     case("causal-decode-Tq1-Tk130", Tq=1, Tk=130, causal=True),
     case("causal-more-queries-than-keys-Tq130-Tk100", Tq=130, Tk=100, D=16, causal=True),
     case("length1-D16", Tq=1, Tk=1, D=16),
+    case("causal-T70-D128", Tq=70, Tk=70, D=128, causal=True),
+    case("bidirectional-T40-D80", Tq=40, Tk=40, D=80),
+    case("causal-T40-D8", Tq=40, Tk=40, D=8, causal=True),
     case("length17-D48-scale0.3", Tq=17, Tk=17, D=48, scale=0.3),
     case("gqa-4:1-causal", Hq=4, Hkv=1, Tq=100, Tk=100, causal=True),
     case("gqa-4:2-bidirectional-D16", Hq=4, Hkv=2, Tq=100, Tk=100, D=16),
@@ -316,4 +320,5 @@ def test_auto_takes_the_kernel_on_cuda_only_where_it_applies():
     assert pick("cpu") == "sdpa" and pick("cuda") == kernel
     assert pick("cuda", pos="relative") == "sdpa"  # no T5 bias in the kernel
     assert pick("cuda", training=True, dropout=0.1) == "sdpa" and pick("cuda", dropout=0.1) == kernel
+    assert pick("cuda", n_embd=512, n_head=4) == kernel and pick("cuda", n_embd=1024, n_head=4) == "sdpa"  # hs 256
     assert pick("cuda", attn_impl="math") == "math"

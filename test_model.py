@@ -130,10 +130,11 @@ def test_cached_decoding_equals_recomputing_everything(kw):
     assert torch.equal(model.generate(idx, 12, temperature=0, src=src), ref_tokens)
 
 
+@pytest.mark.parametrize("prompt", [5, 20], ids=["prompt5", "prompt20"])  # 20: longer than block_size
 @pytest.mark.parametrize("pos", POSITIONS)
-def test_generate_past_block_size_sees_block_size_tokens_as_the_reference_does(pos, monkeypatch):
+def test_generate_past_block_size_sees_block_size_tokens_as_the_reference_does(pos, prompt, monkeypatch):
     model = model_of(pos=pos, block_size=8)
-    idx, _ = inputs(dict(arch="decoder"), T=5)
+    idx, _ = inputs(dict(arch="decoder"), T=prompt)
     ref_tokens, ref_logits = greedy_without_cache(model, idx, 14)
     seen = []  # the logits generate() samples from, step by step
     monkeypatch.setattr(model_module, "sample", lambda logits, *a: seen.append(logits) or logits.argmax(-1, keepdim=True))
@@ -447,6 +448,7 @@ def test_sampling_follows_temperature_top_k_and_top_p():
     nucleus = torch.bincount(sample(logits, top_p=0.7).view(-1), minlength=4) / 20000  # 0.5 + 0.3 cover 0.7
     torch.testing.assert_close(nucleus, torch.tensor([0.625, 0.375, 0, 0]), rtol=0, atol=0.015)
     assert (sample(logits, top_p=0.4) == 0).all()  # the top token alone covers 0.4
+    assert (sample(logits, top_p=0.5) == 0).all()  # ...and exactly reaches 0.5: the smallest such set
     assert (sample(logits, temperature=0) == 0).all()
     hot = torch.bincount(sample(logits, temperature=100.0).view(-1), minlength=4) / 20000
     assert hot.min() > 0.2  # a high temperature flattens towards uniform
@@ -478,7 +480,12 @@ def test_same_seed_same_text():
     (dict(window=-1), "window=-1"),
     (dict(dropout=1.5), r"dropout=1.5 must lie in \[0, 1\)"),
     (dict(n_layer=0), "n_layer=0 must be a positive integer"),
+    (dict(head_size=-4), "head_size=-4 must be a positive integer"),
+    (dict(mlp_hidden=0), "mlp_hidden=0 must be a positive integer"),
+    (dict(pos="relative", rel_buckets=2), "rel_buckets=2, rel_max_distance=128: need at least 4 buckets"),
+    (dict(pos="relative", rel_buckets=32, rel_max_distance=16), "rel_max_distance above rel_buckets / 2"),
     (dict(attn_impl="triton", pos="relative"), "no T5 relative bias: use attn_impl='auto' or 'sdpa'"),
+    (dict(attn_impl="triton", n_embd=512, n_head=2), "heads of at most 128, not head_size=256"),
     (dict(attn_impl="triton", dropout=0.1), "does not drop attention weights: set dropout=0"),
 ])
 def test_bad_configs_raise_value_error_saying_what_to_change(kw, message):
@@ -489,3 +496,8 @@ def test_bad_configs_raise_value_error_saying_what_to_change(kw, message):
 def test_learned_positions_refuse_sequences_longer_than_block_size():
     with pytest.raises(ValueError, match="longer than block_size=16"):
         model_of()(torch.zeros(1, 17, dtype=torch.long))
+    t5, long_src = model_of(arch="encoder-decoder"), torch.zeros(1, 17, dtype=torch.long)
+    with pytest.raises(ValueError, match="longer than block_size=16"):  # the source, too
+        t5(torch.zeros(1, 3, dtype=torch.long), src=long_src)
+    with pytest.raises(ValueError, match="longer than block_size=16"):
+        t5.generate(long_src[:, :1], 2, src=long_src)

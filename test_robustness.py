@@ -21,6 +21,7 @@ def one_line_error(result, *fragments):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     for fragment in fragments:
         assert fragment in err, err
+    return err
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,10 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
     for name, data in [("truncated", whole[: len(whole) // 2]), ("garbage", os.urandom(4096))]:
         os.makedirs(d / f"out-{name}", exist_ok=True)
         (d / f"out-{name}" / "ckpt.pt").write_bytes(data)
-        one_line_error(train(f"out-{name}"), "is not a readable checkpoint", "truncated or corrupted")
+        err = one_line_error(train(f"out-{name}"), "is not a readable checkpoint", "truncated or corrupted")
+        assert "best.pt" not in err  # there is none to fall back on
+    (d / "out-truncated" / "best.pt").write_bytes((d / "out-ok" / "best.pt").read_bytes())
+    one_line_error(train("out-truncated"), "copy out-truncated/best.pt over it to resume from the best checkpoint")
 
 
 def test_under_torchrun_a_bad_setting_is_reported_once(workdir):  # noqa: F811
@@ -119,9 +123,24 @@ def test_sample_rejects_bad_input_in_one_line(trained):
     one_line_error(sample("--start=FILE:missing.txt"), "prompt file 'missing.txt' not found")
     one_line_error(sample("--out_dir=out-nothing"), "no checkpoint at out-nothing/ckpt.pt")
     os.makedirs(d / "out-half", exist_ok=True)
+    (d / "out-half" / "ckpt.pt").write_bytes((d / "out-ok" / "ckpt.pt").read_bytes()[:1000])
+    err = one_line_error(run("sample.py", "--out_dir=out-half", cwd=d), "out-half/ckpt.pt is not a readable checkpoint")
+    assert "--ckpt=" not in err  # there is no other checkpoint to suggest
     (d / "out-half" / "best.pt").write_bytes((d / "out-ok" / "best.pt").read_bytes()[:1000])
     one_line_error(run("sample.py", "--out_dir=out-half", cwd=d), "out-half/best.pt is not a readable checkpoint",
-                   "--ckpt=latest")
+                   "try --ckpt=latest")
+
+
+def test_sample_refuses_spans_an_encoder_decoder_cannot_fill(workdir):  # noqa: F811
+    d, _ = workdir
+    code, _, err = run("train.py", "--dataset=verse", "--out_dir=out-t5", "--arch=encoder-decoder", "--pos=learned",
+                       "--max_iters=2", "--eval_interval=2", *TINY, cwd=d)
+    assert code == 0, err
+    sample = lambda start: run("sample.py", "--out_dir=out-t5", f"--start={start}", "--max_new_tokens=3", cwd=d)  # noqa: E731
+    one_line_error(sample("a" * 20 + "[MASK]"), "the text is 21 tokens, longer than the model's block_size=16")
+    one_line_error(sample("a[MASK]" * 100), "the prompt has 100 [MASK]s; this model fills at most 99 spans")
+    code, out, err = sample("a" * 10 + "[MASK]")
+    assert code == 0 and out.startswith("a" * 10), err
 
 
 def test_a_prompt_longer_than_learned_positions_is_cropped_and_said(trained):

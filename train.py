@@ -372,15 +372,16 @@ def save_atomic(obj, path):
         os.close(dirfd)
 
 
-def load_checkpoint(path, device, other="best.pt"):
-    """A checkpoint written by save_atomic, or a one-line UsageError that says what to do instead."""
+def load_checkpoint(path, device, hint=None):
+    """A checkpoint written by save_atomic, or a one-line UsageError that says what to do instead
+    (hint: what else to try, e.g. the run's other checkpoint)."""
     if not os.path.exists(path):
         raise UsageError(f"no checkpoint at {path}: train first, or point --out_dir at a run")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=False)
     except Exception as e:
         raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): it is truncated or "
-                         f"corrupted; try {other}, or start a new run in another out_dir") from None
+                         f"corrupted; {hint + ', or ' if hint else ''}start a new run in another out_dir") from None
     if not isinstance(ckpt, dict) or not {"model", "model_config", "iter_num"} <= ckpt.keys():
         raise UsageError(f"{path} is not a nanoformer checkpoint (it lacks the model or its config)")
     return ckpt
@@ -470,7 +471,9 @@ def main(argv):
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     ckpt = None
     if cfg.init_from == "resume":
-        ckpt = load_checkpoint(ckpt_path, "cpu")
+        best = os.path.join(cfg.out_dir, "best.pt")
+        ckpt = load_checkpoint(ckpt_path, "cpu", f"copy {best} over it to resume from the best checkpoint"
+                               if os.path.exists(best) else None)
         model_config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
         saved = asdict(model_config)
         clash = {k: (v, saved[k]) for k, v in model_args.items() if saved[k] != v}
