@@ -3,6 +3,8 @@ no failure loses training: atomic checkpoints, signals, exact resume, non-finite
 
 import glob
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,13 +72,48 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F81
     one_line_error(train("--out_dir=texts/part0.txt/out"), "is not writable", "choose another --out_dir")
     if not torch.cuda.is_available():
         one_line_error(train("--device=cuda"), "--device=cuda but torch sees no CUDA GPU", "--device=cpu")
+    one_line_error(train("--device=CPU"), "--device=CPU is not known: choose auto, cpu, cuda, cuda:N or mps")
+    for bad, message in [("--batch_size=0", "batch_size=0 must be at least 1"),
+                         ("--eval_interval=0", "eval_interval=0 must be at least 1"),
+                         ("--gradient_accumulation_steps=-2", "gradient_accumulation_steps=-2 must be at least 1"),
+                         ("--grad_clip=-1", "grad_clip=-1.0 must be at least 0"),
+                         ("--beta1=2", r"beta1=2.0 must lie in [0, 1)"),
+                         ("--backend=mpi", "backend='mpi' is not known"),
+                         ("--head_size=-4", "head_size=-4 must be a positive integer")]:
+        one_line_error(train(bad), message)
+    if not torch.cuda.is_available():  # (tests run the kernel in Triton's interpreter; users do not)
+        one_line_error(run("train.py", "--dataset=verse", "--out_dir=out-bad", *TINY, "--attn_impl=triton", cwd=d,
+                           env={"TRITON_INTERPRET": "0"}), "attn_impl='triton' runs on CUDA GPUs")
+
+
+def test_train_refuses_damaged_data_in_one_line(workdir):  # noqa: F811
+    d, _ = workdir
+    for name, damage in [("no-val", lambda p: os.remove(p / "val.bin")),
+                         ("empty-val", lambda p: open(p / "val.bin", "wb").close()),
+                         ("cut-meta", lambda p: (p / "meta.json").write_text((p / "meta.json").read_text()[:20]))]:
+        shutil.copytree(d / "data" / "verse", d / "data" / name)
+        damage(d / "data" / name)
+        one_line_error(run("train.py", f"--dataset={name}", f"--out_dir=out-{name}", *TINY, cwd=d),
+                       f"dataset '{name}' is damaged", "prepare it again")
+
+
+def test_a_new_run_never_overwrites_checkpoints_and_eval_only_writes_nothing(trained):
+    d = trained
+    before = {f: (d / "out-ok" / f).read_bytes() for f in ("ckpt.pt", "best.pt")}
+    one_line_error(run("train.py", "--dataset=verse", "--out_dir=out-ok", *TINY, cwd=d),
+                   "out-ok/ckpt.pt holds a run that a new one would overwrite", "--init_from=resume")
+    for how in ("--init_from=resume", "--init_from=scratch"):
+        code, out, err = run("train.py", "--dataset=verse", "--out_dir=out-ok", *TINY, "--eval_only", how, cwd=d)
+        assert code == 0 and "val loss" in out, err
+    assert {f: (d / "out-ok" / f).read_bytes() for f in before} == before
 
 
 def test_train_rejects_broken_or_mismatched_checkpoints(trained):
     d = trained
     train = lambda out, *a: run("train.py", "--dataset=verse", f"--out_dir={out}", "--init_from=resume", *TINY, *a,
                                 cwd=d)  # noqa: E731
-    one_line_error(train("out-ok", "--n_layer=3"), "--n_layer=3 does not match the checkpoint's n_layer=2")
+    one_line_error(train("out-ok", "--n_layer=3"), "--n_layer=3 does not match the checkpoint's n_layer=2",
+                   "set --n_layer=2 or drop it")
     # a checkpoint from before gelu_approximate existed was trained with its default, the tanh form
     old = torch.load(d / "out-ok" / "ckpt.pt", weights_only=False)
     del old["model_config"]["gelu_approximate"]
@@ -86,6 +123,21 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
                    "--gelu_approximate='none' does not match the checkpoint's gelu_approximate='tanh'")
     code, _, err = train("out-old", "--max_iters=5")
     assert code == 0, err
+    for i in range(3):  # the same text with "a" spelt "@": as many characters, other ones
+        os.makedirs(d / "texts-at", exist_ok=True)
+        (d / "texts-at" / f"{i}.txt").write_text((d / "texts" / f"part{i}.txt").read_text("utf-8").replace("a", "@"),
+                                                 "utf-8")
+    assert run("prepare.py", "text", "--input", "texts-at/*.txt", "--name", "verse-at", "--tokenizer", "char",
+               cwd=d)[0] == 0
+    one_line_error(train("out-ok", "--dataset=verse-at"), "was trained on other data")
+    for name, edit in [("lacking", lambda c: c.pop("optimizer")),
+                       ("newer", lambda c: c["model_config"].update(qk_norm=True))]:
+        ckpt = torch.load(d / "out-ok" / "ckpt.pt", weights_only=False)
+        edit(ckpt)
+        os.makedirs(d / f"out-{name}")
+        torch.save(ckpt, d / f"out-{name}" / "ckpt.pt")
+    one_line_error(train("out-lacking"), "out-lacking/ckpt.pt is not a nanoformer checkpoint (it lacks ['optimizer'])")
+    one_line_error(train("out-newer"), "model settings this model.py does not know (qk_norm)", "newer nanoformer")
     whole = (d / "out-ok" / "ckpt.pt").read_bytes()
     for name, data in [("truncated", whole[: len(whole) // 2]), ("garbage", os.urandom(4096))]:
         os.makedirs(d / f"out-{name}", exist_ok=True)
@@ -179,6 +231,20 @@ def test_killing_the_process_mid_save_leaves_the_previous_checkpoint_loadable(wo
     assert code == 0, err
     assert losses(log) and torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == before + 2
     assert not glob.glob(str(out / "*.tmp.*"))  # the half-written file is cleared away
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_whole(trained):
+    d = trained
+    shutil.copytree(d / "out-ok", d / "out-full")
+    limit = os.path.getsize(d / "out-ok" / "ckpt.pt") // 2  # no file may grow past this: a save fails halfway
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--dataset=verse", "--out_dir=out-full",
+           "--init_from=resume", *TINY, "--max_iters=6", "--eval_interval=2"]
+    p = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=600,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    one_line_error((p.returncode, p.stdout, p.stderr), "could not write", "the previous checkpoint is intact")
+    for f in ("ckpt.pt", "best.pt"):
+        assert (d / "out-full" / f).read_bytes() == (d / "out-ok" / f).read_bytes()
+    assert not glob.glob(str(d / "out-full" / "*.tmp.*"))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

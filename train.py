@@ -22,11 +22,12 @@ import gc
 import json
 import math
 import os
+import re
 import resource
 import signal
 import sys
 import types
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict, dataclass, fields
 from typing import get_args
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import kernels
 from model import ModelConfig, Transformer
 
 
@@ -140,6 +142,23 @@ def parse_settings(argv, known=None, where=None):
                 value = text  # a plain string, such as --pos=rope
             given[key] = check_value(key, value, known, where)
     return given
+
+
+def check_ranges(cfg):
+    """Values of the right type that training still cannot use, refused in one line."""
+    at_least = dict(batch_size=1, gradient_accumulation_steps=1, eval_interval=1, eval_iters=1, log_interval=1,
+                    max_bad_steps=1, max_iters=0, warmup_iters=0, lr_decay_iters=0, learning_rate=0, min_lr=0,
+                    weight_decay=0, grad_clip=0, mean_span=1, seed=0)  # grad_clip=0: no clipping
+    for key, low in at_least.items():
+        if getattr(cfg, key) < low:
+            raise UsageError(f"{key}={getattr(cfg, key)} must be at least {low}")
+    for key, ok, span in [("beta1", 0 <= cfg.beta1 < 1, "[0, 1)"), ("beta2", 0 <= cfg.beta2 < 1, "[0, 1)"),
+                          ("mask_prob", 0 < cfg.mask_prob <= 1, "(0, 1]"),
+                          ("noise_density", 0 < cfg.noise_density < 1, "(0, 1)")]:
+        if not ok:
+            raise UsageError(f"{key}={getattr(cfg, key)} must lie in {span}")
+    if cfg.backend not in ("auto", "nccl", "gloo"):
+        raise UsageError(f"backend={cfg.backend!r} is not known: choose auto, nccl or gloo")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,10 +379,16 @@ def save_atomic(obj, path):
     """Write to a temporary file, flush it to disk, then rename: a crash at any instant leaves
     either the old file or the new one, never half of one."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # a full disk or quota (torch.save wraps some as RuntimeError)
+        with suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise UsageError(f"could not write {path} ({e}); the previous checkpoint is intact: free some space, "
+                         "then continue with --init_from=resume") from None
     os.replace(tmp, path)
     dirfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
@@ -382,8 +407,15 @@ def load_checkpoint(path, device, hint=None):
     except Exception as e:
         raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): it is truncated or "
                          f"corrupted; {hint + ', or ' if hint else ''}start a new run in another out_dir") from None
-    if not isinstance(ckpt, dict) or not {"model", "model_config", "iter_num"} <= ckpt.keys():
-        raise UsageError(f"{path} is not a nanoformer checkpoint (it lacks the model or its config)")
+    keys = {"model", "optimizer", "scaler", "model_config", "train_config", "iter_num", "best_val_loss", "rng",
+            "tokens", "meta"}  # what train.py writes
+    if not isinstance(ckpt, dict) or not keys <= ckpt.keys():
+        missing = sorted(keys - ckpt.keys()) if isinstance(ckpt, dict) else "everything"
+        raise UsageError(f"{path} is not a nanoformer checkpoint (it lacks {missing})")
+    unknown = sorted(ckpt["model_config"].keys() - {f.name for f in fields(ModelConfig)})
+    if unknown:
+        raise UsageError(f"{path} has model settings this model.py does not know ({', '.join(unknown)}): "
+                         "it was written by a newer nanoformer; update this one")
     return ckpt
 
 
@@ -410,6 +442,8 @@ def pick_device(name):
         raise UsageError(f"--device={name} but torch sees no CUDA GPU: use --device=cpu (or auto)")
     if name == "mps" and not torch.backends.mps.is_available():
         raise UsageError("--device=mps but MPS is not available: use --device=cpu (or auto)")
+    if name not in ("cpu", "mps") and not re.fullmatch(r"cuda(:\d+)?", name):
+        raise UsageError(f"--device={name} is not known: choose auto, cpu, cuda, cuda:N or mps")
     return torch.device(name)
 
 
@@ -430,6 +464,7 @@ def main(argv):
     given = parse_settings(argv)
     known = settings_types()
     cfg = TrainConfig(**{k: v for k, v in given.items() if known[k][0] == "train"})
+    check_ranges(cfg)
     model_args = {k: v for k, v in given.items() if known[k][0] == "model"}
 
     # distributed: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
@@ -452,7 +487,13 @@ def main(argv):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    if master and not cfg.bench:  # find out now, not at the first checkpoint hours later
+    writes = not (cfg.bench or cfg.eval_only)  # --eval_only looks at a run and writes nothing
+    if writes and cfg.init_from == "scratch":
+        held = [p for p in (os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt")) if os.path.exists(p)]
+        if held:
+            raise UsageError(f"{held[0]} holds a run that a new one would overwrite: continue it with "
+                             "--init_from=resume, or choose another --out_dir (or delete it)")
+    if master and writes:  # find out now, not at the first checkpoint hours later
         prepare_out_dir(cfg.out_dir)
 
     # data
@@ -462,9 +503,14 @@ def main(argv):
         hint = {"shakespeare_char": "python prepare.py shakespeare_char", "shakespeare": "python prepare.py shakespeare"}
         cmd = hint.get(cfg.dataset, f"python prepare.py text --input 'your/*.txt' --name {cfg.dataset}")
         raise UsageError(f"dataset {cfg.dataset!r} is not prepared ({meta_path} is missing): run `{cmd}`")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    data = {s: np.memmap(os.path.join(data_path, f"{s}.bin"), dtype=meta["dtype"], mode="r") for s in ("train", "val")}
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        data = {s: np.memmap(os.path.join(data_path, f"{s}.bin"), dtype=meta["dtype"], mode="r")
+                for s in ("train", "val")}
+    except (OSError, ValueError, KeyError) as e:  # a missing, empty or cut-off file
+        raise UsageError(f"dataset {cfg.dataset!r} is damaged ({type(e).__name__}: {e}): move {data_path} "
+                         "aside and prepare it again") from None
     tokens = special_tokens(meta["vocab_size"])
 
     # model: from the settings, or from the checkpoint when resuming
@@ -477,11 +523,11 @@ def main(argv):
         model_config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
         saved = asdict(model_config)
         clash = {k: (v, saved[k]) for k, v in model_args.items() if saved[k] != v}
-        if clash:
+        if clash:  # from the command line or the config file
             k, (want, have) = next(iter(clash.items()))
-            raise UsageError(f"--{k}={want!r} does not match the checkpoint's {k}={have!r}: drop it to resume, "
-                             "or use another --out_dir to start a new run")
-        if ckpt["meta"]["vocab_size"] != meta["vocab_size"] or ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
+            raise UsageError(f"--{k}={want!r} does not match the checkpoint's {k}={have!r}: set --{k}={have!r} "
+                             "or drop it to resume, or use another --out_dir to start a new run")
+        if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab")):  # vocab: chars
             raise UsageError(f"{ckpt_path} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
                              f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with its --dataset")
     elif cfg.init_from == "scratch":
@@ -492,6 +538,8 @@ def main(argv):
             raise UsageError(f"bad model settings: {e}") from None
     else:
         raise UsageError(f"init_from={cfg.init_from!r} is not known: use 'scratch' or 'resume'")
+    if model_config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET:
+        raise UsageError("attn_impl='triton' runs on CUDA GPUs: use --attn_impl=auto (torch's SDPA here)")
     for split, d in data.items():
         if len(d) <= model_config.block_size + 1:
             raise UsageError(f"{split}.bin of {cfg.dataset} holds {len(d)} tokens, fewer than block_size="
@@ -618,7 +666,7 @@ def main(argv):
                 f"({time.time() - START:.1f} s since start)")
             if not math.isfinite(losses["val"]):
                 log(f"the val loss is not finite: no checkpoint written ({kept()})")
-            else:
+            elif writes:
                 if losses["val"] < best_val_loss:
                     best_val_loss = losses["val"]
                     save(os.path.join(cfg.out_dir, "best.pt"))
@@ -626,7 +674,7 @@ def main(argv):
                     saved_at = iter_num
             t0 = time.time()  # evaluation is not training time
         if all_ranks(torch.tensor(float(bool(stop)), device=device), dist.ReduceOp.MAX).item():  # together
-            if iter_num != saved_at and save(ckpt_path):
+            if writes and iter_num != saved_at and save(ckpt_path):
                 saved_at = iter_num
             name = signal.Signals(stop[0]).name if stop else "a signal to another rank"
             log(f"stopped by {name} at iteration {iter_num}: {kept()}; resume with --init_from=resume")
@@ -660,7 +708,7 @@ def main(argv):
                 f"{tokens_per_iter / dt:,.0f} tokens/s, mfu {flops_per_iter / dt / peak:.1%}, "
                 f"{time.strftime('%H:%M:%S', time.gmtime(left))} left")
 
-    if iter_num != saved_at:
+    if writes and iter_num != saved_at:
         save(ckpt_path)  # the final state, unless the last evaluation has just saved it
     if ddp:  # DDP keeps the replicas equal; check it, since a silent divergence would be costly
         flat = torch.cat([p.detach().float().flatten() for p in raw_model.parameters()])
