@@ -76,6 +76,14 @@ def check(cfg):
         raise UsageError(f"draft_k={cfg.draft_k} must be at least 1")
     if cfg.batch and not cfg.start.startswith("FILE:"):
         raise UsageError("--batch takes its prompts from a file, one per line: --start=FILE:prompts.txt")
+    for key in ("num_samples", "attention_tokens"):
+        if getattr(cfg, key) < 1:
+            raise UsageError(f"{key}={getattr(cfg, key)} must be at least 1")
+    if cfg.seed < 0:
+        raise UsageError(f"seed={cfg.seed} must be at least 0")
+    if cfg.attention and (os.path.isdir(cfg.attention) or not os.path.isdir(os.path.dirname(cfg.attention) or ".")):
+        raise UsageError(f"--attention={cfg.attention} is not a file in an existing folder: "
+                         "give a path such as attn.html")  # found out now, not after sampling
 
 
 def load(out_dir, which, device):

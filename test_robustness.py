@@ -81,6 +81,10 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F81
                          ("--backend=mpi", "backend='mpi' is not known"),
                          ("--head_size=-4", "head_size=-4 must be a positive integer")]:
         one_line_error(train(bad), message)
+    t5 = ("--arch=encoder-decoder", "--pos=learned")  # TINY's block_size is 16
+    one_line_error(train(*t5, "--block_size=1"), "span corruption hides part of each sequence: block_size=1")
+    one_line_error(train(*t5, "--noise_density=0.95"), "gives the decoder 17 tokens, more than the 16 learned")
+    one_line_error(train(*t5, "--block_size=1000", "--mean_span=1"), "needs 151 sentinels, more than 100")
     if not torch.cuda.is_available():  # (tests run the kernel in Triton's interpreter; users do not)
         one_line_error(run("train.py", "--dataset=verse", "--out_dir=out-bad", *TINY, "--attn_impl=triton", cwd=d,
                            env={"TRITON_INTERPRET": "0"}), "attn_impl='triton' runs on CUDA GPUs")
@@ -173,6 +177,9 @@ def test_sample_rejects_bad_input_in_one_line(trained):
     one_line_error(sample("--top_p=1.5"), "top_p=1.5 must lie in (0, 1]")
     one_line_error(sample("--top_k=0"), "top_k=0 must be at least 1")
     one_line_error(sample("--start=FILE:missing.txt"), "prompt file 'missing.txt' not found")
+    one_line_error(sample("--num_samples=0"), "num_samples=0 must be at least 1")
+    for path in (".", "no/such/folder/attn.html"):  # refused before sampling, not after
+        one_line_error(sample(f"--attention={path}"), f"--attention={path} is not a file in an existing folder")
     one_line_error(sample("--out_dir=out-nothing"), "no checkpoint at out-nothing/ckpt.pt")
     os.makedirs(d / "out-half", exist_ok=True)
     (d / "out-half" / "ckpt.pt").write_bytes((d / "out-ok" / "ckpt.pt").read_bytes()[:1000])

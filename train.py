@@ -196,16 +196,32 @@ def mask_tokens(x, gen, tokens, data_vocab, p=0.15):
     return dict(idx=idx, targets=x.masked_fill(~chosen, -100))
 
 
+def span_counts(L, noise_density, mean_span):
+    """How many of L tokens T5's objective hides, and in how many spans (at least one of each;
+    the decoder then reads n_noise + n_spans + 1 tokens: spans, sentinels and the start)."""
+    n_noise = min(max(1, round(L * noise_density)), L - 1)
+    return n_noise, min(max(1, round(n_noise / mean_span)), L - n_noise)
+
+
+def check_span_corruption(config, cfg):
+    L = config.block_size
+    if L < 2:
+        raise UsageError(f"span corruption hides part of each sequence: block_size={L} must be at least 2")
+    n_noise, n_spans = span_counts(L, cfg.noise_density, cfg.mean_span)
+    if n_spans + 1 > N_SENTINEL:
+        raise UsageError(f"span corruption of {L} tokens needs {n_spans + 1} sentinels, more than "
+                         f"{N_SENTINEL}: lower block_size or raise mean_span")
+    if config.pos == "learned" and n_noise + n_spans + 1 > L:
+        raise UsageError(f"span corruption of {L} tokens gives the decoder {n_noise + n_spans + 1} tokens, more than the "
+                         f"{L} learned positions: lower noise_density, or use relative positions")
+
+
 def span_corrupt(x, gen, tokens, noise_density=0.15, mean_span=3.0):
     """T5's span corruption. Random spans covering noise_density of x (B, L) are cut out: the
     encoder reads what is left with a sentinel in each gap, the decoder writes each sentinel
     followed by the span it stands for, and a last sentinel to end."""
     B, L = x.shape
-    n_noise = min(max(1, round(L * noise_density)), L - 1)
-    n_spans = min(max(1, round(n_noise / mean_span)), L - n_noise)
-    if n_spans + 1 > tokens["n_sentinel"]:
-        raise UsageError(f"span corruption of {L} tokens needs {n_spans + 1} sentinels, more than "
-                         f"{tokens['n_sentinel']}: lower block_size or raise mean_span")
+    n_noise, n_spans = span_counts(L, noise_density, mean_span)
     # alternate kept and noise spans, starting with a kept one (as T5 does)
     lengths = torch.stack((random_lengths(L - n_noise, n_spans, B, gen),
                            random_lengths(n_noise, n_spans, B, gen)), dim=-1).view(B, -1)
@@ -538,6 +554,8 @@ def main(argv):
             raise UsageError(f"bad model settings: {e}") from None
     else:
         raise UsageError(f"init_from={cfg.init_from!r} is not known: use 'scratch' or 'resume'")
+    if model_config.arch == "encoder-decoder":
+        check_span_corruption(model_config, cfg)
     if model_config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET:
         raise UsageError("attn_impl='triton' runs on CUDA GPUs: use --attn_impl=auto (torch's SDPA here)")
     for split, d in data.items():
