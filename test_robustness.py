@@ -177,6 +177,8 @@ def test_sample_rejects_bad_input_in_one_line(trained):
     one_line_error(sample("--top_p=1.5"), "top_p=1.5 must lie in (0, 1]")
     one_line_error(sample("--top_k=0"), "top_k=0 must be at least 1")
     one_line_error(sample("--start=FILE:missing.txt"), "prompt file 'missing.txt' not found")
+    (d / "latin1.txt").write_bytes("ROMEO: ¿Qué?".encode("latin-1"))
+    one_line_error(sample("--start=FILE:latin1.txt"), "prompt file 'latin1.txt' is not UTF-8 text")
     one_line_error(sample("--num_samples=0"), "num_samples=0 must be at least 1")
     for path in (".", "no/such/folder/attn.html"):  # refused before sampling, not after
         one_line_error(sample(f"--attention={path}"), f"--attention={path} is not a file in an existing folder")
