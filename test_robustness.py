@@ -13,17 +13,7 @@ import time
 import pytest
 import torch
 
-from test_scripts import HERE, TINY, losses, run, workdir  # noqa: F401  (workdir is a fixture)
-
-
-def one_line_error(result, *fragments):
-    """The run failed with status 2 and a single stderr line holding every fragment."""
-    code, out, err = result
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    for fragment in fragments:
-        assert fragment in err, err
-    return err
+from test_scripts import HERE, TINY, losses, one_line_error, run, workdir  # noqa: F401  (workdir is a fixture)
 
 
 @pytest.fixture(scope="module")

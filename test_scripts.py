@@ -4,8 +4,10 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -133,6 +135,116 @@ def test_shakespeare_char_is_the_complete_works_84_characters_split_90_10(tmp_pa
     assert code == 0, err
     meta = json.loads((tmp_path / "shakespeare_char" / "meta.json").read_text())
     assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (84, 4_551_478, 505_720)
+
+
+def one_line_error(result, *fragments):
+    """The run failed with status 2 and a single stderr line holding every fragment."""
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+def files_under(d):
+    """Every file under d with its bytes: what a refused or stopped run must leave as it was."""
+    return {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_prepare_refuses_data_made_with_another_tokenizer_or_from_changed_text(tmp_path):
+    (tmp_path / "a.txt").write_text(corpus(300), encoding="utf-8")
+    prep = lambda tokenizer: run("prepare.py", "text", "--input", "a.txt", "--name", "a", "--tokenizer", tokenizer,  # noqa: E731
+                                 cwd=tmp_path)
+    assert prep("char")[0] == 0
+    before = files_under(tmp_path / "data")
+    one_line_error(prep("gpt2"), "data/a was prepared with --tokenizer char", "delete it")
+    text = (tmp_path / "a.txt").read_text(encoding="utf-8")
+    (tmp_path / "a.txt").write_text(text.replace("love", "LOVE"), encoding="utf-8")  # the same size
+    one_line_error(prep("char"), "data/a was prepared from this input before its text changed", "delete it")
+    assert files_under(tmp_path / "data") == before
+
+
+@pytest.mark.parametrize("text, ok", [("a", False), ("x" * 89 + "\n", False), ("x" * 99 + "\n", True)],
+                         ids=["1 byte", "90 bytes", "100 bytes"])
+def test_prepare_refuses_input_that_gives_fewer_than_10_tokens_to_a_split(tmp_path, text, ok):
+    (tmp_path / "tiny.txt").write_text(text)
+    result = run("prepare.py", "text", "--input", "tiny.txt", "--name", "tiny", "--tokenizer", "char", cwd=tmp_path)
+    if ok:  # 100 characters: 90 train, 10 validation (90 give 81 and 9)
+        assert result[0] == 0 and json.loads((tmp_path / "data" / "tiny" / "meta.json").read_text())["val_tokens"] == 10
+    else:
+        one_line_error(result, "the input is too small", "at least 10", "use more text")
+        assert not (tmp_path / "data" / "tiny").exists()
+
+
+def test_prepare_refuses_fewer_than_one_worker_and_a_cache_that_is_not_a_directory(tmp_path):
+    (tmp_path / "a.txt").write_text(corpus(50), encoding="utf-8")
+    for n in ("0", "-1"):
+        one_line_error(run("prepare.py", "text", "--input", "a.txt", "--name", "a", "--workers", n, cwd=tmp_path),
+                       f"--workers {n}", "give 1 or more")
+    (tmp_path / "cache").write_text("")
+    one_line_error(run("prepare.py", "shakespeare_char", cwd=tmp_path, env={"NANOFORMER_CACHE": str(tmp_path / "cache")}),
+                   "cannot use", "set NANOFORMER_CACHE to a directory")
+    assert not (tmp_path / "data").exists()
+
+
+def test_prepare_names_an_unreadable_input_file(tmp_path, monkeypatch):
+    (tmp_path / "locked.txt").write_text(corpus(50), encoding="utf-8")
+    if os.geteuid() != 0:  # as a user meets it
+        os.chmod(tmp_path / "locked.txt", 0)
+        one_line_error(run("prepare.py", "text", "--input", "locked.txt", "--name", "x", cwd=tmp_path),
+                       "cannot read locked.txt (Permission denied)", "fix its permissions")
+    else:  # root reads a file whatever its mode: make prepare.py's own open() refuse it instead
+        def refusing_open(path, *args, **kwargs):
+            if os.path.basename(path) == "locked.txt":
+                raise PermissionError(13, "Permission denied", path)
+            return open(path, *args, **kwargs)
+        monkeypatch.setattr(prepare, "open", refusing_open, raising=False)
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(prepare.PrepareError, match=r"cannot read locked.txt \(Permission denied\): fix its perm"):
+            prepare.main(["text", "--input", "locked.txt", "--name", "x", "--tokenizer", "char"])
+    assert not (tmp_path / "data" / "x").exists()
+
+
+def test_prepare_refuses_a_damaged_meta_json_and_leaves_the_dataset_as_it_is(tmp_path):
+    (tmp_path / "a.txt").write_text(corpus(100), encoding="utf-8")
+    assert run("prepare.py", "text", "--input", "a.txt", "--name", "a", "--tokenizer", "char", cwd=tmp_path)[0] == 0
+    for damage in ["", "{bad", "{}", "[]", '{"inputs": 1}']:
+        (tmp_path / "data" / "a" / "meta.json").write_text(damage)
+        before = files_under(tmp_path / "data")
+        one_line_error(run("prepare.py", "text", "--input", "a.txt", "--name", "a", "--tokenizer", "char", cwd=tmp_path),
+                       "data/a looks damaged", "delete data/a to prepare it again, or choose another --name")
+        assert files_under(tmp_path / "data") == before
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "gpt2"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_prepare_stopped_by_a_signal_says_so_in_one_line_and_leaves_no_partial_files(tmp_path, sig, tokenizer):
+    if tokenizer == "gpt2" and not gpt2_files_cached():
+        pytest.skip("GPT-2 BPE files not cached (.ci/run fetches them)")
+    (tmp_path / "big.txt").write_text(corpus() * 60, encoding="utf-8")  # 6 MB: a second or so of work
+    cmd = [sys.executable, os.path.join(HERE, "prepare.py"), "text", "--input", "big.txt", "--name", "big",
+           "--tokenizer", tokenizer, "--workers", "2"]
+    # its own process group, as a job in a terminal, so that the signal reaches the workers too, as Ctrl-C does
+    p = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        partial, deadline = tmp_path / "data" / "big" / "train.bin.tmp", time.time() + 60
+        while not partial.exists():  # opened once the workers have started
+            assert p.poll() is None and time.time() < deadline, "prepare.py ended, or took a minute, before writing"
+            time.sleep(0.005)
+        os.killpg(p.pid, signal.SIGSTOP)  # hold it mid-write, so that the signal cannot come too late
+        assert partial.exists()
+        os.killpg(p.pid, sig)
+        os.killpg(p.pid, signal.SIGCONT)
+        err = p.communicate(timeout=60)[1]
+    finally:
+        if p.poll() is None:  # whatever failed, leave no process behind
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    lines = err.strip().splitlines()
+    assert p.returncode == 128 + sig and "Traceback" not in err, err
+    assert f"stopped by {sig.name}" in lines[-1] and all("MB/s" in line for line in lines[:-1]), err  # and progress
+    assert not (tmp_path / "data" / "big").exists()
 
 
 # ----------------------------------------------------------------------------------------------
