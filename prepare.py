@@ -310,12 +310,14 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
     try:
         write_dataset(out, paths, total, tokenizer, workers or min(8, os.cpu_count() or 1),
                       dict(source=source, inputs=inputs))
-    except BaseException:  # bad input found midway, or a signal: leave nothing half made
+    except BaseException as e:  # bad input found midway, a full disk or a signal: leave nothing half made
         for tmp in ("train.bin.tmp", "val.bin.tmp", "meta.json.tmp"):
             if os.path.exists(os.path.join(out, tmp)):
                 os.remove(os.path.join(out, tmp))
         if created and not os.listdir(out):
             os.rmdir(out)
+        if isinstance(e, OSError):
+            raise PrepareError(f"could not write {out} ({e}): free some space, then run it again") from None
         raise
     return out
 

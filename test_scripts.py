@@ -4,6 +4,7 @@ import json
 import os
 import random
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -215,6 +216,15 @@ def test_prepare_refuses_a_damaged_meta_json_and_leaves_the_dataset_as_it_is(tmp
         one_line_error(run("prepare.py", "text", "--input", "a.txt", "--name", "a", "--tokenizer", "char", cwd=tmp_path),
                        "data/a looks damaged", "delete data/a to prepare it again, or choose another --name")
         assert files_under(tmp_path / "data") == before
+
+
+def test_prepare_on_a_full_disk_says_so_in_one_line_and_leaves_no_partial_files(tmp_path):
+    (tmp_path / "a.txt").write_text(corpus(3000), encoding="utf-8")  # about 100 KB of text
+    cmd = [sys.executable, os.path.join(HERE, "prepare.py"), "text", "--input", "a.txt", "--name", "a"]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,  # files stop at 20 KB
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000)))
+    one_line_error((p.returncode, p.stdout, p.stderr), "could not write data/a", "free some space")
+    assert not (tmp_path / "data" / "a").exists()
 
 
 @pytest.mark.parametrize("tokenizer", ["char", "gpt2"])
