@@ -212,8 +212,8 @@ def check_span_corruption(config, cfg):
         raise UsageError(f"span corruption of {L} tokens needs {n_spans + 1} sentinels, more than "
                          f"{N_SENTINEL}: lower block_size or raise mean_span")
     if config.pos == "learned" and n_noise + n_spans + 1 > L:
-        raise UsageError(f"span corruption of {L} tokens gives the decoder {n_noise + n_spans + 1} tokens, more than the "
-                         f"{L} learned positions: lower noise_density, or use relative positions")
+        raise UsageError(f"span corruption of {L} tokens gives the decoder {n_noise + n_spans + 1} tokens, more "
+                         f"than the {L} learned positions: lower noise_density, or use relative positions")
 
 
 def span_corrupt(x, gen, tokens, noise_density=0.15, mean_span=3.0):
