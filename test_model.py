@@ -305,6 +305,48 @@ def test_sinusoidal_position_plus_k_is_a_fixed_linear_map_of_position():
     torch.testing.assert_close(pe[:-k] @ shift.T, pe[k:], rtol=0, atol=1e-4)  # one matrix for every pos
 
 
+@pytest.mark.parametrize("arch", ["encoder", "decoder"])
+def test_alibi_and_relative_biases_are_the_papers_formulas(arch):
+    T, dev = 10, torch.device("cpu")
+    i, j = torch.arange(T)[:, None], torch.arange(T)  # query, key
+    visible = torch.ones(T, T, dtype=torch.bool) if arch == "encoder" else j <= i
+    for pos in ("alibi", "relative"):
+        model = model_of(arch=arch, pos=pos)
+        stack = model.encoder if arch == "encoder" else model.decoder
+        bias = stack.attn_bias(T, T, None, 0, dev)[0]  # (nh, T, T)
+        if pos == "alibi":  # -slope_h * |i - j|, in both directions for an encoder
+            expected = -torch.tensor(alibi_slopes(4))[:, None, None] * (i - j).abs()
+        else:  # T5: a learned scalar per head for the bucket of (key - query)
+            expected = stack.rel.weight[relative_bucket(j - i, arch == "encoder", 32, 128)].permute(2, 0, 1)
+        torch.testing.assert_close(bias[:, visible], expected[:, visible])
+        assert (bias[:, ~visible] == float("-inf")).all()
+
+
+def test_rope_theta_and_scaling_reach_the_rotation(monkeypatch):
+    cos, sin = rope(torch.tensor([[1]]), 16, theta=5e5)
+    omega = 5e5 ** (-torch.arange(0, 16, 2) / 16)  # Llama 3's base: slower turning channels
+    torch.testing.assert_close((cos.flatten(), sin.flatten()), (omega.cos(), omega.sin()))
+    seen, original = [], model_module.rope
+    monkeypatch.setattr(model_module, "rope", lambda pos, hs, theta, scaling: seen.append((theta, scaling))
+                        or original(pos, hs, theta, scaling))
+    model_of(pos="rope", rope_theta=5e5, rope_scaling=2.0)(torch.zeros(1, 4, dtype=torch.long))
+    assert seen == [(5e5, 2.0)]
+
+
+@pytest.mark.parametrize("pos", ["learned", "sinusoidal", "rope"])
+def test_the_first_block_reads_tokens_plus_absolute_positions(pos):
+    model, idx = model_of(pos=pos), torch.randint(0, V, (2, 9))
+    seen = []
+    model.decoder.h[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    model(idx)
+    expected, at = model.wte(idx), torch.arange(9)  # RoPE: the tokens alone (it rotates queries and keys)
+    if pos == "learned":  # GPT-2
+        expected = expected + model.decoder.wpe(at)
+    if pos == "sinusoidal":  # Vaswani et al. scale the tokens up so that the sines do not drown them
+        expected = expected * math.sqrt(32) + sinusoidal(at, 32)
+    torch.testing.assert_close(seen[0], expected)
+
+
 def test_alibi_slopes_for_8_heads_are_a_half_to_one_over_256():
     assert alibi_slopes(8) == [1 / 2 ** i for i in range(1, 9)]
     six = alibi_slopes(6)  # not a power of two: 4 heads' slopes, then odd ones of 8 heads'
@@ -386,6 +428,18 @@ def test_moe_output_is_the_gate_weighted_sum_of_the_chosen_experts():
     for b, t, j in itertools.product(range(2), range(5), range(2)):
         want[b, t] += w[b, t, j] * moe.experts[e[b, t, j]](x[b, t])
     torch.testing.assert_close(moe(x), want)
+
+
+def test_moe_balance_loss_is_switchs_formula_and_trains_the_router():
+    moe = model_of(n_expert=4, expert_top_k=2).decoder.h[0].mlp
+    x = torch.randn(1, 8, 32)
+    moe(x)
+    probs = moe.router(x.view(8, 32)).softmax(-1)  # (N, E)
+    chosen = F.one_hot(probs.topk(2).indices, 4).sum(1).float()  # (N, E): 1 where a token goes
+    share = chosen.mean(0) / 2  # the fraction of the 8 x 2 assignments each expert receives
+    torch.testing.assert_close(moe.aux_loss, 4 * (share * probs.mean(0)).sum())
+    moe.aux_loss.backward()  # through the mean probabilities: the router learns to balance
+    assert moe.router.weight.grad.abs().sum() > 0
 
 
 def test_moe_balance_loss_is_one_when_routing_is_uniform_and_is_added_to_the_loss():
