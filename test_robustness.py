@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import train
 from test_scripts import HERE, TINY, losses, one_line_error, run, workdir  # noqa: F401  (workdir is a fixture)
 
 
@@ -294,6 +295,12 @@ def test_a_non_finite_loss_skips_steps_then_stops_keeping_the_last_good_checkpoi
     assert "the loss was not finite for 3 steps in a row; out-nan/ckpt.pt keeps iteration 0" in err
     ckpt = torch.load(d / "out-nan" / "ckpt.pt", weights_only=False)
     assert ckpt["iter_num"] == 0 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
+
+
+def test_the_optimizer_runs_at_the_scheduled_learning_rate(trained):
+    ckpt = torch.load(trained / "out-ok" / "ckpt.pt", weights_only=False)
+    scheduled = train.learning_rate(ckpt["iter_num"], train.TrainConfig(**ckpt["train_config"]))
+    assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == [scheduled] * 2  # decayed and not
 
 
 def test_best_checkpoint_is_kept_apart_from_the_latest(trained):

@@ -260,9 +260,10 @@ def test_prepare_stopped_by_a_signal_says_so_in_one_line_and_leaves_no_partial_f
 # ----------------------------------------------------------------------------------------------
 # Objectives and schedule
 
-def test_span_corruption_loses_nothing_and_hides_15_percent():
+@pytest.mark.parametrize("L", [64, 73])  # 73: 11 hidden tokens make round(11 / 3) = 4 spans, not floor's 3
+def test_span_corruption_loses_nothing_and_hides_15_percent(L):
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 50, (16, 64))
+    x = torch.randint(0, 50, (16, L))
     tokens = train.special_tokens(50)
     b = train.span_corrupt(x, g, tokens)
     s0 = tokens["sentinel"]
@@ -276,8 +277,8 @@ def test_span_corruption_loses_nothing_and_hides_15_percent():
                 current.append(t)
         rebuilt = [u for t in src for u in (spans[t] if t >= s0 else [t])]
         assert rebuilt == x[row].tolist()
-        assert sum(len(v) for v in spans.values()) == round(64 * 0.15)
-        assert len(spans) - 1 == round(round(64 * 0.15) / 3)  # one span per 3 tokens, and an end sentinel
+        assert sum(len(v) for v in spans.values()) == round(L * 0.15)
+        assert len(spans) - 1 == round(round(L * 0.15) / 3)  # one span per 3 tokens, and an end sentinel
     assert torch.equal(b["idx"][:, 1:], b["targets"][:, :-1]) and (b["idx"][:, 0] == tokens["start"]).all()
 
 
@@ -292,6 +293,15 @@ def test_masked_lm_predicts_15_percent_of_which_80_masked_10_random_10_kept():
     kept = (b["idx"] == x) & chosen
     assert abs(masked.sum() / chosen.sum() - 0.8) < 0.01
     assert abs(kept.sum() / chosen.sum() - (0.1 + 0.1 / 50)) < 0.01  # a random token can be the same one
+
+
+def test_batches_follow_the_objective_settings():
+    data = np.random.default_rng(0).integers(0, 50, 100_000).astype(np.uint16)
+    cfg, tokens = train.TrainConfig(mask_prob=0.3, noise_density=0.3), train.special_tokens(50)
+    mlm = train.get_batch(data, "encoder", 64, 64, torch.Generator().manual_seed(0), tokens, 50, cfg)
+    assert abs((mlm["targets"] != -100).float().mean() - 0.3) < 0.02
+    t5 = train.get_batch(data, "encoder-decoder", 4, 64, torch.Generator().manual_seed(0), tokens, 50, cfg)
+    assert ((t5["targets"] < tokens["sentinel"]).sum(1) == round(64 * 0.3)).all()  # hidden tokens per row
 
 
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
