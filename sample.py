@@ -142,8 +142,9 @@ def main(argv):
                 n_tokens, picture = n_tokens + n, picture or ids
                 write("\n---------------\n")
             dt = time.time() - t0
-    print(f"sample.py: {n_tokens:,} tokens in {dt:.2f} s, {n_tokens / dt:,.1f} tokens/s "
-          f"({arch}, {device}, {str(dtype).replace('torch.', '')}{', int8' if cfg.quantize else ''})",
+    n_int8 = sum(isinstance(m, Int8Linear) for m in model.modules())
+    print(f"sample.py: {n_tokens:,} tokens in {dt:.2f} s, {n_tokens / dt:,.1f} tokens/s ({arch}, {device}, "
+          f"{str(dtype).replace('torch.', '')}{f', {n_int8} Linear layers in int8' if n_int8 else ''})",
           file=sys.stderr)
     if cfg.attention:
         write_attention(cfg.attention, model, tok, picture, cfg.attention_tokens)

@@ -275,11 +275,21 @@ def test_sample_with_a_draft_prints_the_acceptance_rate_and_the_target_text(targ
 def test_sample_int8_and_attention_page(target_and_draft):
     d = target_and_draft
     code, text, err = run("sample.py", "--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=10",
-                          "--quantize=int8", "--attention=attn.html", cwd=d)
+                          "--quantize=int8", "--attention=attn.html", "--temperature=0", cwd=d)
     assert code == 0, err
-    assert "int8" in err and len(text.split("\n---------------\n")[0]) == len("LEAR:") + 10
     data = page_data(d / "attn.html")
     assert [len(k["queries"]) for k in data["kinds"]] == [len("LEAR:") + 10]
+    # the same here: the int8 model's greedy text, and each layer's weights (in units of 1e-4)
+    model, tok, _ = sample_py.load(str(d / "out-target"), "best", torch.device("cpu"))
+    assert f"{sum(isinstance(m, nn.Linear) for m in model.modules())} Linear layers in int8" in err
+    quantize_int8(model)
+    out = model.generate(torch.tensor([tok.encode("LEAR:")]), 10, temperature=0)
+    assert text.split("\n---------------\n")[0] == tok.decode(out[0].tolist())
+    model.config.attn_impl = "math"  # which keeps each layer's weights in attn.att
+    model(out)
+    layers = torch.stack([block.attn.att[0] for block in model.decoder.h]) * 1e4  # (n_layer, nh, T, T)
+    page = torch.tensor(data["kinds"][0]["weights"], dtype=torch.float32)
+    torch.testing.assert_close(page, layers.round(), rtol=0, atol=1.0)  # 1e-4: threads may round apart
 
 
 def test_bench_prints_cache_no_cache_int8_and_floor():
