@@ -108,6 +108,12 @@ def test_small_chunks_give_the_same_tokens_as_one_piece(tmp_path, monkeypatch):
     assert "".join(t for s, t in pieces if s == "train") == train_part(text)
 
 
+def test_the_split_moves_forward_to_the_end_of_a_character(tmp_path):
+    (tmp_path / "a.txt").write_text("ó" * 15, encoding="utf-8")  # 30 bytes: 90% is byte 27, inside the 14th
+    pieces = list(prepare.read_text([str(tmp_path / "a.txt")], 30))
+    assert pieces == [("train", "ó" * 14), ("val", "ó")]
+
+
 def gpt2_files_cached():
     return all(os.path.exists(os.path.join(prepare.CACHE, "gpt2-" + n)) for n in prepare.GPT2_FILES)
 
