@@ -477,9 +477,13 @@ class Transformer(nn.Module):
         if config.tie_embeddings:  # one matrix reads and writes tokens (Press & Wolf 2017)
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2: each residual branch adds to the stream, so
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))  # scale them down
+        for stack in (s for s in (self.encoder, self.decoder) if s is not None):
+            # GPT-2: each residual branch adds to the stream, so its output starts smaller, by the
+            # root of the number of branches: attention and MLP, and cross-attention in a T5 decoder
+            branches = (3 if stack.h[0].cross_attn is not None else 2) * config.n_layer
+            for name, p in stack.named_parameters():
+                if name.endswith("c_proj.weight"):
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(branches))
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -407,11 +407,13 @@ def test_gelu_approximate_picks_gpt2s_tanh_form_or_the_exact_erf_form(mlp):
     assert (out["tanh"] - out["none"]).abs().max() > 1e-5  # the two forms really differ
 
 
-def test_residual_projections_start_smaller_than_other_weights():
-    model = model_of(n_layer=8, n_embd=256, n_head=4)
-    proj = model.decoder.h[0].attn.c_proj.weight.std().item()
-    assert abs(model.decoder.h[0].attn.c_q.weight.std().item() - 0.02) < 0.002
-    assert abs(proj - 0.02 / math.sqrt(16)) < 0.001
+def test_residual_projections_start_smaller_by_the_root_of_the_number_of_branches():
+    model = model_of(arch="encoder-decoder", n_layer=8, n_embd=256, n_head=4)
+    std = lambda p: p.std().item()  # noqa: E731
+    assert abs(std(model.decoder.h[0].attn.c_q.weight) - 0.02) < 0.002
+    assert abs(std(model.encoder.h[0].attn.c_proj.weight) - 0.02 / math.sqrt(2 * 8)) < 2e-4  # attention, MLP
+    for branch in (model.decoder.h[0].attn, model.decoder.h[0].cross_attn, model.decoder.h[0].mlp):
+        assert abs(std(branch.c_proj.weight) - 0.02 / math.sqrt(3 * 8)) < 2e-4  # and cross-attention
 
 
 # ----------------------------------------------------------------------------------------------
