@@ -254,9 +254,11 @@ def speculate(model, tok, prompt, cfg, device, write):
 
 def check_fits(model, ids):
     """An encoder reads its whole text at once: with learned positions it must fit the table."""
-    if model.config.pos == "learned" and len(ids) > model.config.block_size:
+    try:
+        model.check_length(len(ids))
+    except ValueError:
         raise UsageError(f"the text is {len(ids)} tokens, longer than the model's block_size="
-                         f"{model.config.block_size}: shorten it")
+                         f"{model.config.block_size}: shorten it") from None
 
 
 def fill_masks(model, tok, special, prompt, cfg, device, write):

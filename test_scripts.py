@@ -24,10 +24,12 @@ TINY = ["--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_siz
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=8", "--learning_rate=3e-3"]
 
 
-def run(script, *args, cwd, env=None):
-    """Run a script as a user would; returns (exit status, stdout, stderr)."""
+def run(script, *args, cwd, env=None, max_file_bytes=None):
+    """Run a script as a user would; returns (exit status, stdout, stderr). max_file_bytes: no file
+    it writes may grow past this, as on a full disk."""
     cmd = [sys.executable, os.path.join(HERE, script), *args] if script.endswith(".py") else [script, *args]
-    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
+    full_disk = max_file_bytes and (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes,) * 2))
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, preexec_fn=full_disk or None,
                        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     return p.returncode, p.stdout, p.stderr
 
@@ -226,10 +228,8 @@ def test_prepare_refuses_a_damaged_meta_json_and_leaves_the_dataset_as_it_is(tmp
 
 def test_prepare_on_a_full_disk_says_so_in_one_line_and_leaves_no_partial_files(tmp_path):
     (tmp_path / "a.txt").write_text(corpus(3000), encoding="utf-8")  # about 100 KB of text
-    cmd = [sys.executable, os.path.join(HERE, "prepare.py"), "text", "--input", "a.txt", "--name", "a"]
-    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,  # files stop at 20 KB
-                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000)))
-    one_line_error((p.returncode, p.stdout, p.stderr), "could not write data/a", "free some space")
+    one_line_error(run("prepare.py", "text", "--input", "a.txt", "--name", "a", cwd=tmp_path, max_file_bytes=20_000),
+                   "could not write data/a", "free some space")
     assert not (tmp_path / "data" / "a").exists()
 
 
