@@ -186,7 +186,7 @@ class Mask(NamedTuple):
     window: int = 0  # see only keys fewer than `window` positions away
     alibi: torch.Tensor | None = None  # (nh,) ALiBi slopes
     valid: torch.Tensor | None = None  # (B, Tk) False for padding keys
-    bias: torch.Tensor | None = None  # the dense form; None when nothing or `causal` alone (Tq == Tk) applies
+    bias: torch.Tensor | None = None  # the dense form; None when nothing or `causal` alone applies
 
 
 def attn_impl(config, device, training):
@@ -207,8 +207,12 @@ def attention(q, k, v, mask, impl="sdpa", dropout=0.0):
         y = kernels.flash_attention(q, k, v, causal=mask.causal, window=mask.window,
                                     alibi_slopes=mask.alibi, key_padding_mask=mask.valid)
         return y, None
+    Tq, Tk = q.size(-2), k.size(-2)
     bias = None if mask.bias is None else mask.bias.to(q.dtype)
-    causal = mask.causal and bias is None
+    if mask.causal and bias is None and Tq != Tk:  # SDPA's is_causal would align the queries with the first keys
+        future = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(Tk - Tq + 1)
+        bias = torch.zeros(Tq, Tk, dtype=q.dtype, device=q.device).masked_fill(future, float("-inf"))
+    causal = mask.causal and bias is None  # Tq == Tk here
     if impl == "sdpa":
         # fused kernels (flash attention when causal and unbiased) never build the Tq x Tk matrix
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
@@ -434,9 +438,9 @@ class Stack(nn.Module):
     def attn_bias(self, Tq, Tk, valid, window, dev):
         """What each query may see, as an additive bias (B|1, nh|1, Tq, Tk): the position bias where it
         may look, -inf where not. The queries are the last Tq of the Tk key positions (new tokens
-        after a KV cache). None when plain causal (or full) attention says it all."""
+        after a KV cache). None when plain causal (or full) attention says it all (see attention)."""
         c = self.config
-        if valid is None and not window and c.pos not in ("alibi", "relative") and Tq == Tk:
+        if valid is None and not window and c.pos not in ("alibi", "relative"):
             return None
         dist = torch.arange(Tk - Tq, Tk, device=dev)[:, None] - torch.arange(Tk, device=dev)  # query - key
         see = (dist >= 0) if self.causal else torch.ones_like(dist, dtype=torch.bool)

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
 import model as model_module
 from model import (ARCHS, POSITIONS, KVCache, Mask, ModelConfig, Transformer, alibi_slopes, apply_rope,
                    attention, relative_bucket, rope, sample, sinusoidal)
@@ -228,6 +229,20 @@ def test_attention_function_matches_softmax_formula_with_bias():
     for impl in ("sdpa", "math"):
         torch.testing.assert_close(attention(q, k, v, Mask(bias=bias), impl)[0], want)
 
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "math", "triton"])
+def test_causal_queries_after_a_cache_see_the_keys_up_to_their_own_position(impl):
+    """Three new queries on seven keys sit at positions 4, 5, 6: query i sees keys 0..4+i (SDPA's
+    own is_causal would let it see 0..i)."""
+    if impl == "triton" and not kernels.available:
+        pytest.skip("triton is not installed")
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    future = torch.ones(3, 7, dtype=torch.bool).triu(5)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(8)
+    want = torch.softmax(scores.masked_fill(future, float("-inf")), -1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(attention(q, k, v, Mask(causal=True), impl)[0], want)
 
 @pytest.mark.parametrize("arch", ["encoder", "encoder-decoder"])
 def test_padding_changes_nothing_for_the_real_tokens(arch):
