@@ -74,7 +74,9 @@ def flash_attention(q, k, v, *, causal=False, scale=None, alibi_slopes=None, win
         if key_padding_mask.shape != (B, k.size(2)):
             raise ValueError(f"key_padding_mask must have shape ({B}, {k.size(2)}), "
                              f"got {tuple(key_padding_mask.shape)}")
-        key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
+        if key_padding_mask.dtype != torch.bool:  # an additive 0/-inf mask would turn into its opposite
+            raise ValueError(f"key_padding_mask must be bool (True for a real key), got {key_padding_mask.dtype}")
+        key_padding_mask = key_padding_mask.to(q.device)
     if window < 0:
         raise ValueError(f"window={window} must be 0 (no window) or a positive span")
     scale = D ** -0.5 if scale is None else float(scale)
@@ -92,6 +94,14 @@ def flash_attention(q, k, v, *, causal=False, scale=None, alibi_slopes=None, win
 # window sets back, and ahead when not causal; without a window both reach past any length).
 
 if available:
+
+    @triton.jit
+    def _tile(length, BLOCK: tl.constexpr):
+        """This program's tile: the start of its block of BLOCK along `length`, and its row of
+        batch * heads. One grid axis holds both, tiles of one head side by side (they share its
+        keys and values in cache): a second axis would allow only 65,535 rows of batch * heads."""
+        blocks = tl.cdiv(length, BLOCK)
+        return tl.program_id(0) % blocks * BLOCK, tl.program_id(0) // blocks
 
     @triton.jit
     def _band(first, last, below, above, length, BLOCK: tl.constexpr):
@@ -173,8 +183,8 @@ if available:
                     HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """One program per (block of BLOCK_M queries, batch * query head)."""
-        start_m = tl.program_id(0) * BLOCK_M
-        b, h = tl.program_id(1) // Hq, tl.program_id(1) % Hq
+        start_m, bh = _tile(Tq, BLOCK_M)
+        b, h = bh // Hq, bh % Hq
         kvh = h // (Hq // Hkv)  # the key/value head this query head reads
         Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         K += b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
@@ -218,7 +228,7 @@ if available:
         lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
         Out += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
         tl.store(Out + offs_m[:, None] * stride_ot + offs_d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
-        tl.store(Lse + tl.program_id(1).to(tl.int64) * Tq + offs_m, lse, mask=offs_m < Tq)
+        tl.store(Lse + bh.to(tl.int64) * Tq + offs_m, lse, mask=offs_m < Tq)
 
     # -------------------------------------------------------------------------- backward
 
@@ -226,16 +236,17 @@ if available:
     def _bwd_delta_kernel(Out, DO, Delta, stride_ob, stride_oh, stride_ot, stride_db, stride_dh, stride_dt,
                           Hq, Tq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         """delta = rowsum(dO * O) (fp32), the term every row's dS = P (dP - delta) subtracts."""
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        start_m, bh = _tile(Tq, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        b, h = tl.program_id(1) // Hq, tl.program_id(1) % Hq
+        b, h = bh // Hq, bh % Hq
         mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < HEAD_DIM)
         Out += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
         DO += b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
         o = tl.load(Out + offs_m[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
         do = tl.load(DO + offs_m[:, None] * stride_dt + offs_d[None, :], mask=mask, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        tl.store(Delta + tl.program_id(1).to(tl.int64) * Tq + offs_m, delta, mask=offs_m < Tq)
+        tl.store(Delta + bh.to(tl.int64) * Tq + offs_m, delta, mask=offs_m < Tq)
 
     @triton.jit
     def _dkdv_block(dk, dv, k, v, Q, DO, Lse, Delta, keep, start_m, offs_n, offs_d,
@@ -275,8 +286,8 @@ if available:
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """One program per (block of BLOCK_N keys, batch * key/value head). It loops over the query
         heads of its group, so dK and dV sum over the group in registers: no atomics, no copies."""
-        start_n = tl.program_id(0) * BLOCK_N
-        b, kvh = tl.program_id(1) // Hkv, tl.program_id(1) % Hkv
+        start_n, bh = _tile(Tk, BLOCK_N)
+        b, kvh = bh // Hkv, bh % Hkv
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         kv_mask = (offs_n[:, None] < Tk) & (offs_d[None, :] < HEAD_DIM)
@@ -358,8 +369,8 @@ if available:
                        HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """One program per (block of BLOCK_M queries, batch * query head), like the forward."""
-        start_m = tl.program_id(0) * BLOCK_M
-        b, h = tl.program_id(1) // Hq, tl.program_id(1) % Hq
+        start_m, bh = _tile(Tq, BLOCK_M)
+        b, h = bh // Hq, bh % Hq
         kvh = h // (Hq // Hkv)
         Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         DO += b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
@@ -372,8 +383,8 @@ if available:
         q_mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(Q + offs_m[:, None] * stride_qt + offs_d[None, :], mask=q_mask, other=0.0)  # (BLOCK_M, D)
         do = tl.load(DO + offs_m[:, None] * stride_dt + offs_d[None, :], mask=q_mask, other=0.0)  # (BLOCK_M, D)
-        lse = tl.load(Lse + tl.program_id(1).to(tl.int64) * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
-        delta = tl.load(Delta + tl.program_id(1).to(tl.int64) * Tq + offs_m, mask=offs_m < Tq, other=0.0)
+        lse = tl.load(Lse + bh.to(tl.int64) * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
+        delta = tl.load(Delta + bh.to(tl.int64) * Tq + offs_m, mask=offs_m < Tq, other=0.0)
         pos, key_lo, key_hi = _keys_seen(offs_m, Tq, Tk, back, ahead)
         slope = 0.0
         if HAS_ALIBI:
@@ -490,7 +501,7 @@ def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi
     out = _new_like_heads(q)
     lse = q.new_empty(B, Hq, Tq, dtype=torch.float32)
     args, flags = _shared_args(q, k, alibi_slopes, key_padding_mask, scale, causal, window)
-    grid = lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq)
+    grid = lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]) * B * Hq,)
     with _cuda_device(q):
         _fwd[q.dtype][grid](q, k, v, out, lse, *_strides(q, k, v, out), *args, **flags)
     return out, lse
@@ -514,11 +525,11 @@ def _flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Ten
     delta = torch.empty_like(lse)  # (B, Hq, Tq) fp32
     args, flags = _shared_args(q, k, alibi_slopes, key_padding_mask, scale, causal, window)
     with _cuda_device(q):
-        _bwd_delta_kernel[(triton.cdiv(Tq, 64), B * Hq)](out, do, delta, *_strides(out, do), Hq, Tq, HEAD_DIM=D,
+        _bwd_delta_kernel[(triton.cdiv(Tq, 64) * B * Hq,)](out, do, delta, *_strides(out, do), Hq, Tq, HEAD_DIM=D,
                                                          BLOCK_D=flags["BLOCK_D"], BLOCK_M=64)
-        grid = lambda meta: (triton.cdiv(Tk, meta["BLOCK_N"]), B * Hkv)
+        grid = lambda meta: (triton.cdiv(Tk, meta["BLOCK_N"]) * B * Hkv,)
         _bwd_dkdv[q.dtype][grid](q, k, v, do, lse, delta, dk, dv, *_strides(q, k, v, do, dk, dv), *args, **flags)
-        grid = lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq)
+        grid = lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]) * B * Hq,)
         _bwd_dq[q.dtype][grid](q, k, v, do, lse, delta, dq, *_strides(q, k, v, do, dq), *args, **flags)
     return dq, dk, dv
 

@@ -166,6 +166,17 @@ def test_one_token_decode_equals_the_last_row_of_the_prefill():
 
 
 @needs_triton
+@pytest.mark.skipif(not CUDA, reason="a GPU's limit; the interpreter would take minutes for 65,600 programs")
+def test_more_than_65535_batch_times_heads_in_one_launch():
+    # CUDA allows 65,535 programs on a grid's second axis: a decode step of a large batch has more
+    q, k, v, grad, _ = make(spec(B=4100, Hq=16, Hkv=4, Tq=1, Tk=20, D=16), torch.float16)
+    got = forward_backward(kernels.flash_attention, q, k, v, grad, causal=True)
+    want = forward_backward(reference, *(x.float() for x in (q, k, v, grad)), causal=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b, atol=2e-2, rtol=2e-2)
+
+
+@needs_triton
 def test_strided_views_give_the_same_result_as_contiguous_copies():
     # q, k, v sliced out of one packed (B, T, 3, H, D) projection, as a model produces them, and an
     # upstream gradient whose last dimension is not contiguous
@@ -220,6 +231,7 @@ def test_custom_ops_pass_torch_library_opcheck():
     (dict(v=torch.zeros(1, 2, 8, 16, dtype=torch.float64)), "dtype"),
     (dict(alibi_slopes=torch.ones(3)), "alibi_slopes"),
     (dict(key_padding_mask=torch.ones(1, 9, dtype=torch.bool)), "key_padding_mask"),
+    (dict(key_padding_mask=torch.zeros(1, 8)), "must be bool"),  # an additive mask, 0 where kept
     (dict(window=-1), "window"),
     (dict(scale=0.0), "scale"),
     (dict(q=torch.zeros(4, 8, 16)), "expected q"),  # no batch dimension
