@@ -190,13 +190,15 @@ class Mask(NamedTuple):
 
 
 def attn_impl(config, device, training):
-    """The attention path: the Triton kernel on CUDA where it applies (no relative bias, no
-    attention dropout, heads of at most 128), else torch's SDPA; or what the config asks for."""
+    """The attention path: the Triton kernel on a CUDA GPU of compute capability 8.0 (Ampere) or
+    later, where it applies (no relative bias, no attention dropout, heads of at most 128), else
+    torch's SDPA; or what the config asks for."""
     if config.attn_impl != "auto":
         return config.attn_impl
     kernel_fits = (config.pos != "relative" and not (training and config.dropout)
                    and config.head_size <= kernels.MAX_HEAD_SIZE)
-    return "triton" if device.type == "cuda" and kernels.available and kernel_fits else "sdpa"
+    on_gpu = device.type == "cuda" and kernels.available and kernel_fits
+    return "triton" if on_gpu and torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
 
 
 def attention(q, k, v, mask, impl="sdpa", dropout=0.0):

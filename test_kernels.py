@@ -325,12 +325,16 @@ def test_cached_generation_on_the_kernel_equals_the_math_path(kw):
     assert torch.equal(out[0], out[1])
 
 
-def test_auto_takes_the_kernel_on_cuda_only_where_it_applies():
+def test_auto_takes_the_kernel_on_cuda_only_where_it_applies(monkeypatch):
     def pick(device, training=False, **kw):
         return attn_impl(ModelConfig(**kw), torch.device(device), training)
+    capability = [(9, 0)]  # an H100's, asked of the (possibly absent) GPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     kernel = "triton" if kernels.available else "sdpa"
     assert pick("cpu") == "sdpa" and pick("cuda") == kernel
     assert pick("cuda", pos="relative") == "sdpa"  # no T5 bias in the kernel
     assert pick("cuda", training=True, dropout=0.1) == "sdpa" and pick("cuda", dropout=0.1) == kernel
     assert pick("cuda", n_embd=512, n_head=4) == kernel and pick("cuda", n_embd=1024, n_head=4) == "sdpa"  # hs 256
     assert pick("cuda", attn_impl="math") == "math"
+    capability[0] = (7, 5)  # a T4: no bf16 tensor-core products for the kernel
+    assert pick("cuda") == "sdpa" and pick("cuda", attn_impl="triton") == "triton"
