@@ -526,7 +526,7 @@ def _flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Ten
     args, flags = _shared_args(q, k, alibi_slopes, key_padding_mask, scale, causal, window)
     with _cuda_device(q):
         _bwd_delta_kernel[(triton.cdiv(Tq, 64) * B * Hq,)](out, do, delta, *_strides(out, do), Hq, Tq, HEAD_DIM=D,
-                                                         BLOCK_D=flags["BLOCK_D"], BLOCK_M=64)
+                                                              BLOCK_D=flags["BLOCK_D"], BLOCK_M=64)
         grid = lambda meta: (triton.cdiv(Tk, meta["BLOCK_N"]) * B * Hkv,)
         _bwd_dkdv[q.dtype][grid](q, k, v, do, lse, delta, dk, dv, *_strides(q, k, v, do, dk, dv), *args, **flags)
         grid = lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]) * B * Hq,)

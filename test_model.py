@@ -230,7 +230,6 @@ def test_attention_function_matches_softmax_formula_with_bias():
         torch.testing.assert_close(attention(q, k, v, Mask(bias=bias), impl)[0], want)
 
 
-
 @pytest.mark.parametrize("impl", ["sdpa", "math", "triton"])
 def test_causal_queries_after_a_cache_see_the_keys_up_to_their_own_position(impl):
     """Three new queries on seven keys sit at positions 4, 5, 6: query i sees keys 0..4+i (SDPA's
