@@ -76,7 +76,7 @@ def make(c, dtype, seed=0):
 
 
 # A compact cover: every feature appears, alone and combined, with lengths 1, 17, 100, 130 (tails
-# of partial blocks) and head sizes 8 (padded to 16 inside), 16, 32, 48 and 80 (padded to 64 and
+# of partial blocks) and head sizes 3 and 8 (padded to 16 inside), 16, 32, 48 and 80 (padded to 64 and
 # 128), 64, 128 (the largest the kernel takes).
 CASES = [
     case("bidirectional-T128-D64", B=2, Tq=128, Tk=128, D=64),
@@ -88,6 +88,7 @@ CASES = [
     case("causal-T70-D128", Tq=70, Tk=70, D=128, causal=True),
     case("bidirectional-T40-D80", Tq=40, Tk=40, D=80),
     case("causal-T40-D8", Tq=40, Tk=40, D=8, causal=True),
+    case("causal-T20-D3", Tq=20, Tk=20, D=3, causal=True),  # odd and under 8
     case("length17-D48-scale0.3", Tq=17, Tk=17, D=48, scale=0.3),
     case("gqa-4:1-causal", Hq=4, Hkv=1, Tq=100, Tk=100, causal=True),
     case("gqa-4:2-bidirectional-D16", Hq=4, Hkv=2, Tq=100, Tk=100, D=16),
