@@ -178,7 +178,8 @@ if available:
                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                     stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
                     Slopes, KeyPad, stride_pb, stride_pt, Hq, Hkv, Tq, Tk, back, ahead, qk_scale, scale,
-                    TQ_BUCKET, TK_BUCKET,  # only the autotuning key: lengths rounded up to powers of two
+                    TQ_BUCKET, TK_BUCKET, BAND,  # only the autotuning key: lengths rounded up to powers
+                    # of two, and the band's kind (0 full, 1 causal, 2 window, 3 causal window)
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ALIBI: tl.constexpr,
                     HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -280,7 +281,7 @@ if available:
                          stride_vb, stride_vh, stride_vt, stride_db, stride_dh, stride_dt,
                          stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
                          Slopes, KeyPad, stride_pb, stride_pt, Hq, Hkv, Tq, Tk, back, ahead, qk_scale, scale,
-                         TQ_BUCKET, TK_BUCKET,
+                         TQ_BUCKET, TK_BUCKET, BAND,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ALIBI: tl.constexpr,
                          HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -364,7 +365,7 @@ if available:
                        stride_vb, stride_vh, stride_vt, stride_db, stride_dh, stride_dt,
                        stride_dqb, stride_dqh, stride_dqt,
                        Slopes, KeyPad, stride_pb, stride_pt, Hq, Hkv, Tq, Tk, back, ahead, qk_scale, scale,
-                       TQ_BUCKET, TK_BUCKET,
+                       TQ_BUCKET, TK_BUCKET, BAND,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -417,7 +418,7 @@ if available:
     # CUDA cores and spill registers unless the tiles are small. The interpreter runs a single
     # config (it cannot time several without a GPU), with blocks small enough that the tests'
     # lengths span several, and query and key blocks of different sizes.
-    _TUNING_KEY = ["TQ_BUCKET", "TK_BUCKET", "HEAD_DIM", "HAS_ALIBI", "HAS_PAD"]  # and the dtypes
+    _TUNING_KEY = ["TQ_BUCKET", "TK_BUCKET", "BAND", "HEAD_DIM", "HAS_ALIBI", "HAS_PAD"]  # and the dtypes
 
     def _tuned(kernel, half, fp32, interpreter):
         """The kernel autotuned for each input dtype: {dtype: kernel to launch}."""
@@ -477,7 +478,7 @@ def _shared_args(q, k, alibi_slopes, key_padding_mask, scale, causal, window):
     args = (alibi_slopes if alibi_slopes is not None else q,
             pad if pad is not None else q, *(pad.stride() if pad is not None else (0, 0)),
             Hq, Hkv, Tq, Tk, back, ahead, scale * math.log2(math.e), scale,
-            triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
+            triton.next_power_of_2(Tq), triton.next_power_of_2(Tk), int(causal) + 2 * (window > 0))
     flags = dict(HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),  # tl.dot needs >= 16
                  HAS_ALIBI=alibi_slopes is not None, HAS_PAD=pad is not None,
                  # fp32 products in full precision, not TF32, so that fp32 results are tight;
