@@ -201,11 +201,18 @@ def attn_impl(config, device, training):
     return "triton" if on_gpu and torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
 
 
+def autocast_dtype(device, default=None):
+    """The dtype autocast runs matrix products in on device, or default where it is off."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else default
+
+
 def attention(q, k, v, mask, impl="sdpa", dropout=0.0):
     """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs).
     Each group of nh / n_kv_head query heads shares one key/value head (grouped-query attention).
     Returns the output (B, nh, Tq, hs) and, on the math path, the weights (B, nh, Tq, Tk)."""
     if impl == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
+        dtype = autocast_dtype(q.device, q.dtype)  # autocast casts SDPA's inputs, not a custom op's
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         y = kernels.flash_attention(q, k, v, causal=mask.causal, window=mask.window,
                                     alibi_slopes=mask.alibi, key_padding_mask=mask.valid)
         return y, None
@@ -606,8 +613,7 @@ class Transformer(nn.Module):
             raise ValueError("an encoder does not generate: fill masked tokens with one forward pass")
         if c.arch == "encoder-decoder" and src is None:
             raise ValueError("an encoder-decoder generates from src: generate(idx, n, src=src)")
-        dev_type = idx.device.type
-        dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else None
+        dtype = autocast_dtype(idx.device)  # the cache in autocast's dtype, not the weights'
         memory = None
         if src is not None:
             memory = self.encode(src, src_mask)
@@ -716,7 +722,7 @@ def speculative_generate(target, draft, idx, max_new_tokens, k=4, temperature=1.
     end = min([m.config.block_size - k for m in (target, draft) if m.absolute_positions] + [total])
     accepted = proposed = 0
     for m in (target, draft):  # room for the k + 1 positions that a rollback may take back
-        m.setup_kv_cache(1, m.cache_size(len(out) + max_new_tokens) + k + 1)
+        m.setup_kv_cache(1, m.cache_size(len(out) + max_new_tokens) + k + 1, dtype=autocast_dtype(idx.device))
     try:
         # invariant: the target has seen all of out but its last token; the draft all but `pending`
         if 1 < len(out) < end:
@@ -771,12 +777,14 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x):
+        dtype = autocast_dtype(x.device, x.dtype)  # as autocast would run nn.Linear
+        x, scale = x.to(dtype), self.scale.to(dtype)
         if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):  # torch's int8 x float kernel
-            y = torch._weight_int8pack_mm(x.reshape(-1, x.size(-1)), self.weight, self.scale.to(x.dtype))
+            y = torch._weight_int8pack_mm(x.reshape(-1, x.size(-1)), self.weight, scale)
             y = y.view(*x.shape[:-1], self.weight.size(0))  # not -1: x may hold no rows (an idle expert)
         else:
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+            y = F.linear(x, self.weight.to(dtype)) * scale
+        return y if self.bias is None else y + self.bias.to(dtype)
 
 
 def quantize_int8(model):

@@ -176,6 +176,8 @@ def test_int8_linear_is_within_half_a_step_per_weight_and_4x_smaller(kernel, mon
     assert q.weight.dtype == torch.int8 and q.weight.numel() * 4 == linear.weight.numel() * linear.weight.element_size()
     assert (q.weight.abs().amax(dim=1) == 127).all()  # each row's largest weight uses the full range
     assert q(torch.randn(0, 64)).shape == (0, 48)  # no rows: what an expert gets when no token picks it
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as nn.Linear under autocast
+        assert q(x).dtype == linear(x).dtype == torch.bfloat16
 
 
 def test_quantize_int8_replaces_every_linear_and_keeps_the_logits_close():

@@ -273,7 +273,7 @@ def test_benchmark_without_a_gpu_exits_2_with_a_one_line_message():
 # ----------------------------------------------------------------------------------------------
 # The kernel inside model.py
 
-from model import ModelConfig, Transformer, attn_impl  # noqa: E402
+from model import ModelConfig, Transformer, attn_impl, quantize_int8, speculative_generate  # noqa: E402
 
 MODEL_CASES = [
     dict(arch="decoder", pos="alibi", window=5, n_kv_head=2),
@@ -285,7 +285,7 @@ MODEL_CASES = [
 
 def twin_models(impl, seed=0, **kw):
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=64, attn_impl=impl, **kw)
+    cfg = dict(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=64, attn_impl=impl) | kw
     return Transformer(ModelConfig(**cfg)).to(DEVICE)
 
 
@@ -324,6 +324,21 @@ def test_cached_generation_on_the_kernel_equals_the_math_path(kw):
     src = torch.randint(0, 40, (2, 9)).to(DEVICE) if kw["arch"] == "encoder-decoder" else None
     out = [twin_models(impl, **kw).eval().generate(idx, 8, temperature=0, src=src) for impl in ("triton", "math")]
     assert torch.equal(out[0], out[1])
+
+
+@needs_triton
+def test_under_autocast_the_kernel_decodes_speculatively_and_with_int8_weights():
+    # autocast casts SDPA's inputs but not a custom op's: the kernel's path meets autocast's dtype
+    # itself (a draft's cache, an int8 layer's output and the rest would otherwise disagree)
+    idx = torch.randint(0, 40, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    def greedy(impl, int8=False):
+        model = twin_models(impl).eval()
+        return (quantize_int8(model) if int8 else model).generate(idx, 8, temperature=0)
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.float16):
+        want = greedy("math")
+        target, draft = twin_models("triton").eval(), twin_models("triton", seed=1, n_layer=1).eval()
+        assert torch.equal(speculative_generate(target, draft, idx, 8, k=3, temperature=0)[0], want)
+        assert torch.equal(greedy("triton", int8=True), greedy("math", int8=True))
 
 
 def test_auto_takes_the_kernel_on_cuda_only_where_it_applies(monkeypatch):
