@@ -92,7 +92,8 @@ def load(out_dir, which, device):
     if which == "best" and not os.path.exists(path["best"]):
         which = "latest"
     other = "latest" if which == "best" else "best"
-    ckpt = load_checkpoint(path[which], device, f"try --ckpt={other}" if os.path.exists(path[other]) else None)
+    # read into host memory: on the device, the optimizer's state would stay beside the model
+    ckpt = load_checkpoint(path[which], "cpu", f"try --ckpt={other}" if os.path.exists(path[other]) else None)
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), Tokenizer(ckpt["meta"]), ckpt
@@ -458,9 +459,10 @@ def bench(config, device, dtype, compile=False, news=(64, 256), prompt=16):
     the matrix-vector floor, all measured here and now."""
     torch.manual_seed(0)
     model = Transformer(config).to(device=device, dtype=dtype).eval()
+    int8 = quantize_int8(copy.deepcopy(model))  # before compiling: a copy would keep the original's step
     if compile:  # each cache size is compiled in the warm-up, not in the timings
         compile_decode(model, device)
-    int8 = quantize_int8(copy.deepcopy(model))
+        compile_decode(int8, device)
     idx = torch.randint(0, config.vocab_size, (1, prompt), device=device)
     floor = floor_seconds(model, dtype)
     n_params = sum(p.numel() for p in model.parameters())
@@ -479,9 +481,9 @@ def bench(config, device, dtype, compile=False, news=(64, 256), prompt=16):
     print(f"{'new tokens':>10} | {'KV cache':>14} | {'no cache':>14} | {'int8 + cache':>14} | "
           f"{'cache / no cache':>16} | {'ms/token / floor':>16}")
     with torch.no_grad():
-        for n in news if compile else news[:1]:  # warm up (and compile) outside the timings
-            model.generate(idx, n if compile else 8)
-        int8.generate(idx, 8)
+        for n in news if compile else (8,):  # warm up (and compile) outside the timings
+            model.generate(idx, n)
+            int8.generate(idx, n)
         no_cache_generate(model, idx, 2)
         for n in news:
             rates = {}

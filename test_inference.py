@@ -294,6 +294,22 @@ def test_sample_int8_and_attention_page(target_and_draft):
     torch.testing.assert_close(page, layers.round(), rtol=0, atol=1.0)  # 1e-4: threads may round apart
 
 
+
+def test_bench_compiled_times_each_models_own_decode_step(monkeypatch):
+    # torch.compile wraps decode in a closure over the model: a copy made after compiling would
+    # decode with the original (a stand-in closure, so that the test needs no compiler)
+    decoded = set()
+    def closure_compile(fn, **kw):
+        def step(*args, **kwargs):
+            decoded.add(any(isinstance(m, Int8Linear) for m in fn.__self__.modules()))
+            return fn(*args, **kwargs)
+        return step
+    monkeypatch.setattr(torch, "compile", closure_compile)
+    config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    with redirect_stdout(io.StringIO()):
+        sample_py.bench(config, torch.device("cpu"), torch.float32, compile=True, news=(4, 8), prompt=3)
+    assert decoded == {False, True}  # the full-precision model and the int8 one, each its own
+
 def test_bench_prints_cache_no_cache_int8_and_floor():
     config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
     out = io.StringIO()
