@@ -28,7 +28,7 @@ import signal
 import sys
 import types
 from contextlib import nullcontext, suppress
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import get_args
 
 import numpy as np
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kernels
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, attn_impl
 
 
 @dataclass
@@ -284,8 +284,10 @@ def flops_per_token(model, T):
     return 6 * n + stacks * 12 * c.n_layer * c.n_head * c.head_size * T
 
 
-PEAK_TFLOPS = {"H100": 989, "H200": 989, "GH200": 989, "B200": 2250, "A100": 312, "A800": 312, "L40S": 362,
-               "L40": 181, "A10": 125, "L4": 121, "RTX 4090": 165, "RTX 3090": 71, "V100": 125, "T4": 65}
+# dense bf16/fp16 TFLOP/s by a part of the GPU's name; the first that matches counts
+PEAK_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "GH200": 989, "B200": 2250,
+               "A100": 312, "A800": 312, "L40S": 362, "L40": 181, "A10": 125, "L4": 121, "RTX 4090": 165,
+               "RTX 3090": 71, "V100": 125, "T4": 65}
 
 
 def peak_flops(device, dtype):
@@ -295,8 +297,10 @@ def peak_flops(device, dtype):
         for key, tflops in PEAK_TFLOPS.items():
             if key in name:
                 return tflops * 1e12, f"{name} {tflops} TFLOP/s (spec sheet)"
-    n = 2048 if device.type != "cpu" else 1024
-    a = b = torch.ones(n, n, device=device, dtype=dtype)  # no random numbers: the RNG state is the run's
+    n = 8192 if device.type == "cuda" else 1024  # large enough to reach a GPU's peak
+    # random numbers (all ones would draw less power, and a GPU can clock higher), from a generator
+    # of its own: the global RNG state is the run's
+    a = b = torch.randn(n, n, device=device, generator=torch.Generator(device).manual_seed(0)).to(dtype)
     for _ in range(2):
         a @ b
     sync(device)
@@ -325,11 +329,11 @@ def timed(fn, device):
 
 def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5, iters=20, warmup=10):
     """Time train.py's iteration, ours = (forward_backward(it), update()) on model, against
-    nanoGPT's recipe on a copy of the model: AdamW fused only on CUDA, compiled only on a GPU (as
-    nanoGPT's train.py and its CPU example do). The two run in alternating rounds, so that both
-    see the same machine; the report gives the median round, split into forward+backward and
-    update, and how far apart the two runs' weights end."""
-    ref = Transformer(model.config).to(device)
+    nanoGPT's recipe on a copy of the model: attention through SDPA, AdamW fused only on CUDA,
+    compiled only on a GPU (as nanoGPT's train.py and its CPU example do). The two run in
+    alternating rounds, so that both see the same machine; the report gives the median round, split
+    into forward+backward and update, and how far apart the two runs' weights end."""
+    ref = Transformer(replace(model.config, attn_impl="sdpa")).to(device)
     ref.load_state_dict(model.state_dict())
     opt = configure_optimizer(ref, cfg, fused=device.type == "cuda")
     compiled = torch.compile(ref) if cfg.compile and device.type == "cuda" else ref
@@ -354,23 +358,25 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
         if it == 0:
             first = apart()
     times = {name: [] for name in runs}  # per round: (forward+backward, update) seconds per iteration
-    memory = {name: 0 for name in runs}
+    memory = {name: 0 for name in runs}  # the peak above what both models hold between iterations
     for r in range(rounds):
         for name, (fb, up) in runs.items():
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+                resident = torch.cuda.memory_allocated(device)
             spent = [0.0, 0.0]
             for it in range(warmup + r * iters, warmup + (r + 1) * iters):
                 spent[0] += timed(lambda: fb(it), device)[1] / iters
                 spent[1] += timed(up, device)[1] / iters
             times[name].append(spent)
             if device.type == "cuda":
-                memory[name] = max(memory[name], torch.cuda.max_memory_allocated(device))
+                memory[name] = max(memory[name], torch.cuda.max_memory_allocated(device) - resident)
     tokens = cfg.gradient_accumulation_steps * cfg.batch_size * model.config.block_size
     median = {name: sorted(ts, key=sum)[rounds // 2] for name, ts in times.items()}
     base = sum(median["nanoGPT's recipe"])
     lines = [f"bench: {rounds} rounds of {iters} iterations after {warmup} of warm-up, {tokens:,} tokens per "
-             f"iteration, {device} {str(dtype).replace('torch.', '')}{', compiled' if cfg.compile else ''}",
+             f"iteration, {device} {str(dtype).replace('torch.', '')}{', compiled' if cfg.compile else ''}; "
+             f"attention: {attn_impl(model.config, device, True)} in train.py, sdpa in nanoGPT's recipe",
              f"{'':18} {'ms/iter':>8} {'fwd+bwd':>8} {'update':>7} {'tokens/s':>9} {'MFU':>6} {'speed-up':>9}"
              f"  each round (ms/iter)"]
     for name, (fb, up) in median.items():
@@ -378,7 +384,8 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
         lines.append(f"{name:18} {dt * 1e3:8.1f} {fb * 1e3:8.1f} {up * 1e3:7.1f} {tokens / dt:9,.0f} "
                      f"{flops_per_iter / dt / peak:6.1%} {base / dt:8.2f}x  "
                      + " ".join(f"{sum(t) * 1e3:.1f}" for t in times[name])
-                     + (f"  peak {memory[name] / 2**20:,.0f} MiB" if device.type == "cuda" else ""))
+                     + (f"  peak {memory[name] / 2**20:,.0f} MiB over the models' weights and optimizer states"
+                        if device.type == "cuda" else ""))
     lines.append(f"the same computation: from the same weights on the same batches, the largest parameter "
                  f"difference is {first:.2g} after one iteration, {apart():.2g} after {warmup + rounds * iters} "
                  "(rounding, amplified by training)")
@@ -596,8 +603,8 @@ def main(argv):
     def batch(split, g):
         b = get_batch(data[split], model_config.arch, cfg.batch_size, model_config.block_size, g, tokens,
                       meta["vocab_size"], cfg)
-        if device.type == "cuda":  # pinned memory lets the copy overlap with compute
-            return {k: v.pin_memory().to(device, non_blocking=True) for k, v in b.items()}
+        if device.type == "cuda":  # pinned memory lets the copy overlap with compute (if contiguous)
+            return {k: v.contiguous().pin_memory().to(device, non_blocking=True) for k, v in b.items()}
         return {k: v.to(device) for k, v in b.items()}
 
     def all_ranks(x, op=dist.ReduceOp.SUM):
@@ -691,7 +698,9 @@ def main(argv):
                 if cfg.always_save_checkpoint and save(ckpt_path):
                     saved_at = iter_num
             t0 = time.time()  # evaluation is not training time
-        if all_ranks(torch.tensor(float(bool(stop)), device=device), dist.ReduceOp.MAX).item():  # together
+        # under DDP all ranks stop together: they agree at every iteration, a wait for the device
+        # that one process does without
+        if all_ranks(torch.tensor(float(bool(stop)), device=device), dist.ReduceOp.MAX).item() if ddp else stop:
             if writes and iter_num != saved_at and save(ckpt_path):
                 saved_at = iter_num
             name = signal.Signals(stop[0]).name if stop else "a signal to another rank"
