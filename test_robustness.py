@@ -143,6 +143,15 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
     one_line_error(train("out-truncated"), "copy out-truncated/best.pt over it to resume from the best checkpoint")
 
 
+
+def test_a_run_resumes_in_another_precision(trained):
+    d = trained
+    shutil.copytree(d / "out-ok", d / "out-fp16")
+    # fp32 left the loss scaler's state empty; fp16 starts a scale of its own
+    code, log, err = run("train.py", "--dataset=verse", "--out_dir=out-fp16", "--init_from=resume",
+                         "--dtype=float16", "--max_iters=5", *TINY, cwd=d)
+    assert code == 0 and "done: 5 iterations" in log, err
+
 def test_under_torchrun_a_bad_setting_is_reported_once(workdir):  # noqa: F811
     d, _ = workdir
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -582,7 +582,8 @@ def main(argv):
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
+            scaler.load_state_dict(ckpt["scaler"])
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         if len(ckpt["rng"]) == world:  # each rank carries on with its own dropout stream
             set_rng_state(ckpt["rng"][rank], device)
