@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import train
-from test_scripts import HERE, TINY, losses, one_line_error, run, workdir  # noqa: F401  (workdir is a fixture)
+from test_scripts import HERE, TINY, in_parallel, losses, one_line_error, run
+from test_scripts import workdir  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -51,34 +52,39 @@ def test_prepare_rejects_bad_input_in_one_line(workdir, args, fragments):  # noq
 
 def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F811
     d, _ = workdir
-    train = lambda *a: run("train.py", "--dataset=verse", "--out_dir=out-bad", *TINY, *a, cwd=d)  # noqa: E731
-    one_line_error(train("--lerning_rate=1e-3"), "unknown setting 'lerning_rate'", "did you mean --learning_rate?")
-    one_line_error(train("--max_iters=many"), "max_iters='many' should be int")
-    one_line_error(train("configs/nope.py"), "config file 'configs/nope.py' not found")
+    train = lambda *a, env=None: run("train.py", "--dataset=verse", "--out_dir=out-bad", *TINY, *a, cwd=d,  # noqa: E731
+                                     env=env)
     (tmp_path / "bad.py").write_text("n_head = 3\n")  # 32 wide is not divisible by 3 heads
-    one_line_error(train(str(tmp_path / "bad.py")), "n_embd=32 is not divisible by n_head=3")
-    one_line_error(train("--dataset=poems"), "dataset 'poems' is not prepared",
-                   "python prepare.py text --input 'your/*.txt' --name poems")
-    one_line_error(train("--init_from=resume", "--out_dir=out-none"), "no checkpoint at out-none/ckpt.pt")
-    one_line_error(train("--out_dir=texts/part0.txt/out"), "is not writable", "choose another --out_dir")
-    if not torch.cuda.is_available():
-        one_line_error(train("--device=cuda"), "--device=cuda but torch sees no CUDA GPU", "--device=cpu")
-    one_line_error(train("--device=CPU"), "--device=CPU is not known: choose auto, cpu, cuda, cuda:N or mps")
-    for bad, message in [("--batch_size=0", "batch_size=0 must be at least 1"),
-                         ("--eval_interval=0", "eval_interval=0 must be at least 1"),
-                         ("--gradient_accumulation_steps=-2", "gradient_accumulation_steps=-2 must be at least 1"),
-                         ("--grad_clip=-1", "grad_clip=-1.0 must be at least 0"),
-                         ("--beta1=2", r"beta1=2.0 must lie in [0, 1)"),
-                         ("--backend=mpi", "backend='mpi' is not known"),
-                         ("--head_size=-4", "head_size=-4 must be a positive integer")]:
-        one_line_error(train(bad), message)
     t5 = ("--arch=encoder-decoder", "--pos=learned")  # TINY's block_size is 16
-    one_line_error(train(*t5, "--block_size=1"), "span corruption hides part of each sequence: block_size=1")
-    one_line_error(train(*t5, "--noise_density=0.95"), "gives the decoder 17 tokens, more than the 16 learned")
-    one_line_error(train(*t5, "--block_size=1000", "--mean_span=1"), "needs 151 sentinels, more than 100")
+    cases = [
+        (("--lerning_rate=1e-3",), ["unknown setting 'lerning_rate'", "did you mean --learning_rate?"]),
+        (("--max_iters=many",), ["max_iters='many' should be int"]),
+        (("configs/nope.py",), ["config file 'configs/nope.py' not found"]),
+        ((str(tmp_path / "bad.py"),), ["n_embd=32 is not divisible by n_head=3"]),
+        (("--dataset=poems",), ["dataset 'poems' is not prepared",
+                                "python prepare.py text --input 'your/*.txt' --name poems"]),
+        (("--init_from=resume", "--out_dir=out-none"), ["no checkpoint at out-none/ckpt.pt"]),
+        (("--out_dir=texts/part0.txt/out",), ["is not writable", "choose another --out_dir"]),
+        (("--device=CPU",), ["--device=CPU is not known: choose auto, cpu, cuda, cuda:N or mps"]),
+        (("--batch_size=0",), ["batch_size=0 must be at least 1"]),
+        (("--eval_interval=0",), ["eval_interval=0 must be at least 1"]),
+        (("--gradient_accumulation_steps=-2",), ["gradient_accumulation_steps=-2 must be at least 1"]),
+        (("--grad_clip=-1",), ["grad_clip=-1.0 must be at least 0"]),
+        (("--beta1=2",), [r"beta1=2.0 must lie in [0, 1)"]),
+        (("--backend=mpi",), ["backend='mpi' is not known"]),
+        (("--head_size=-4",), ["head_size=-4 must be a positive integer"]),
+        ((*t5, "--block_size=1"), ["span corruption hides part of each sequence: block_size=1"]),
+        ((*t5, "--noise_density=0.95"), ["gives the decoder 17 tokens, more than the 16 learned"]),
+        ((*t5, "--block_size=1000", "--mean_span=1"), ["needs 151 sentinels, more than 100"]),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((("--device=cuda",), ["--device=cuda but torch sees no CUDA GPU", "--device=cpu"]))
+    results = in_parallel(*(lambda args=args: train(*args) for args, _ in cases))
+    for (args, fragments), result in zip(cases, results):
+        one_line_error(result, *fragments)
     if not torch.cuda.is_available():  # (tests run the kernel in Triton's interpreter; users do not)
-        one_line_error(run("train.py", "--dataset=verse", "--out_dir=out-bad", *TINY, "--attn_impl=triton", cwd=d,
-                           env={"TRITON_INTERPRET": "0"}), "attn_impl='triton' runs on CUDA GPUs")
+        one_line_error(train("--attn_impl=triton", env={"TRITON_INTERPRET": "0"}),
+                       "attn_impl='triton' runs on CUDA GPUs")
 
 
 def test_train_refuses_damaged_data_in_one_line(workdir):  # noqa: F811
@@ -170,19 +176,21 @@ def test_under_torchrun_a_bad_setting_is_reported_once(workdir):  # noqa: F811
 def test_sample_rejects_bad_input_in_one_line(trained):
     d = trained
     sample = lambda *a: run("sample.py", "--out_dir=out-ok", "--max_new_tokens=5", *a, cwd=d)  # noqa: E731
-    one_line_error(sample("--start=ROMEO: ¿Qué?"), "characters the model's vocabulary lacks: 'Qu¿é'")
-    one_line_error(sample("--max_new_tokens=-1"), "max_new_tokens=-1 is negative")
-    one_line_error(sample("--temperature=-0.5"), "temperature=-0.5 is negative")
-    one_line_error(sample("--top_p=0"), "top_p=0.0 must lie in (0, 1]")
-    one_line_error(sample("--top_p=1.5"), "top_p=1.5 must lie in (0, 1]")
-    one_line_error(sample("--top_k=0"), "top_k=0 must be at least 1")
-    one_line_error(sample("--start=FILE:missing.txt"), "prompt file 'missing.txt' not found")
     (d / "latin1.txt").write_bytes("ROMEO: ¿Qué?".encode("latin-1"))
-    one_line_error(sample("--start=FILE:latin1.txt"), "prompt file 'latin1.txt' is not UTF-8 text")
-    one_line_error(sample("--num_samples=0"), "num_samples=0 must be at least 1")
+    cases = [("--start=ROMEO: ¿Qué?", "characters the model's vocabulary lacks: 'Qu¿é'"),
+             ("--max_new_tokens=-1", "max_new_tokens=-1 is negative"),
+             ("--temperature=-0.5", "temperature=-0.5 is negative"),
+             ("--top_p=0", "top_p=0.0 must lie in (0, 1]"),
+             ("--top_p=1.5", "top_p=1.5 must lie in (0, 1]"),
+             ("--top_k=0", "top_k=0 must be at least 1"),
+             ("--start=FILE:missing.txt", "prompt file 'missing.txt' not found"),
+             ("--start=FILE:latin1.txt", "prompt file 'latin1.txt' is not UTF-8 text"),
+             ("--num_samples=0", "num_samples=0 must be at least 1"),
+             ("--out_dir=out-nothing", "no checkpoint at out-nothing/ckpt.pt")]
     for path in (".", "no/such/folder/attn.html"):  # refused before sampling, not after
-        one_line_error(sample(f"--attention={path}"), f"--attention={path} is not a file in an existing folder")
-    one_line_error(sample("--out_dir=out-nothing"), "no checkpoint at out-nothing/ckpt.pt")
+        cases.append((f"--attention={path}", f"--attention={path} is not a file in an existing folder"))
+    for (arg, fragment), result in zip(cases, in_parallel(*(lambda arg=arg: sample(arg) for arg, _ in cases))):
+        one_line_error(result, fragment)
     os.makedirs(d / "out-half", exist_ok=True)
     (d / "out-half" / "ckpt.pt").write_bytes((d / "out-ok" / "ckpt.pt").read_bytes()[:1000])
     err = one_line_error(run("sample.py", "--out_dir=out-half", cwd=d), "out-half/ckpt.pt is not a readable checkpoint")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -144,6 +145,13 @@ def test_shakespeare_char_is_the_complete_works_84_characters_split_90_10(tmp_pa
     assert code == 0, err
     meta = json.loads((tmp_path / "shakespeare_char" / "meta.json").read_text())
     assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (84, 4_551_478, 505_720)
+
+
+def in_parallel(*calls):
+    """The result of each call, run two at a time (this machine has two cores; a refused run spends
+    most of its time importing torch)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda call: call(), calls))
 
 
 def one_line_error(result, *fragments):
