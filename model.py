@@ -206,6 +206,11 @@ def autocast_dtype(device, default=None):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else default
 
 
+def distance(Tq, Tk, device):
+    """(Tq, Tk) query position - key position, the queries being the last Tq of the Tk positions."""
+    return torch.arange(Tk - Tq, Tk, device=device)[:, None] - torch.arange(Tk, device=device)
+
+
 def attention(q, k, v, mask, impl="sdpa", dropout=0.0):
     """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs).
     Each group of nh / n_kv_head query heads shares one key/value head (grouped-query attention).
@@ -219,7 +224,7 @@ def attention(q, k, v, mask, impl="sdpa", dropout=0.0):
     Tq, Tk = q.size(-2), k.size(-2)
     bias = None if mask.bias is None else mask.bias.to(q.dtype)
     if mask.causal and bias is None and Tq != Tk:  # SDPA's is_causal would align the queries with the first keys
-        future = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(Tk - Tq + 1)
+        future = distance(Tq, Tk, q.device) < 0
         bias = torch.zeros(Tq, Tk, dtype=q.dtype, device=q.device).masked_fill(future, float("-inf"))
     causal = mask.causal and bias is None  # Tq == Tk here
     if impl == "sdpa":
@@ -451,7 +456,7 @@ class Stack(nn.Module):
         c = self.config
         if valid is None and not window and c.pos not in ("alibi", "relative"):
             return None
-        dist = torch.arange(Tk - Tq, Tk, device=dev)[:, None] - torch.arange(Tk, device=dev)  # query - key
+        dist = distance(Tq, Tk, dev)
         see = (dist >= 0) if self.causal else torch.ones_like(dist, dtype=torch.bool)
         if window:
             see = see & (dist.abs() < window)
