@@ -276,26 +276,36 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_size = config.n_head, config.n_kv_head, config.head_size
         self.cross = cross
-        self.c_q = nn.Linear(config.n_embd, config.n_head * config.head_size, bias=config.bias)
-        self.c_kv = nn.Linear(config.n_embd, 2 * config.n_kv_head * config.head_size, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        q_size, kv_size = config.n_head * config.head_size, config.n_kv_head * config.head_size
+        if cross:  # queries from x, keys and values from the encoder's output
+            self.c_q = nn.Linear(config.n_embd, q_size, bias=config.bias)
+            self.c_kv = nn.Linear(config.n_embd, 2 * kv_size, bias=config.bias)
+        else:  # all three from x: one product, not two (GPT-2's c_attn, gpt-fast's wqkv)
+            self.c_attn = nn.Linear(config.n_embd, q_size + 2 * kv_size, bias=config.bias)
+            self.register_load_state_dict_pre_hook(join_q_kv)
+        self.split = (q_size, kv_size, kv_size)
+        self.c_proj = nn.Linear(q_size, config.n_embd, bias=config.bias)
         self.config = config
         self.resid_dropout = nn.Dropout(config.dropout)
         self.kv_cache = None  # set by Transformer.setup_kv_cache: a KVCache, or (k, v) of the memory
         self.att = None  # the last attention weights, kept on the math path for inspection
 
-    def kv(self, x):
+    def heads(self, x, n):
         B, T, _ = x.shape
-        kv = self.c_kv(x).view(B, T, 2, self.n_kv_head, self.head_size)
-        return kv.permute(2, 0, 3, 1, 4).unbind(0)  # k, v: (B, n_kv_head, T, hs)
+        return x.view(B, T, n, self.head_size).transpose(1, 2)  # (B, T, n * hs) -> (B, n, T, hs)
+
+    def kv(self, memory):
+        k, v = self.c_kv(memory).chunk(2, dim=-1)
+        return self.heads(k, self.n_kv_head), self.heads(v, self.n_kv_head)  # (B, n_kv_head, T, hs)
 
     def forward(self, x, mask=Mask(), rope=None, memory=None):
         B, T, _ = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         if self.cross:  # keys and values of the encoder's output: computed once when generating
+            q = self.heads(self.c_q(x), self.n_head)
             k, v = self.kv_cache if self.kv_cache is not None else self.kv(memory)
         else:
-            k, v = self.kv(x)
+            q, k, v = self.c_attn(x).split(self.split, dim=-1)
+            q, k, v = self.heads(q, self.n_head), self.heads(k, self.n_kv_head), self.heads(v, self.n_kv_head)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if self.kv_cache is not None:
@@ -306,6 +316,14 @@ class Attention(nn.Module):
             self.att = att.detach()
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size)  # heads side by side
         return self.resid_dropout(self.c_proj(y))
+
+
+def join_q_kv(module, state, prefix, *args):
+    """Checkpoints written before self-attention's c_attn hold its rows as two matrices, c_q and
+    c_kv: join them on loading."""
+    for p in ("weight", "bias"):
+        if prefix + "c_q." + p in state:
+            state[prefix + "c_attn." + p] = torch.cat((state.pop(prefix + "c_q." + p), state.pop(prefix + "c_kv." + p)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -188,7 +188,7 @@ def test_quantize_int8_replaces_every_linear_and_keeps_the_logits_close():
         quantize_int8(model)
         after = model(idx)[0]
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 5 + 1  # q, kv, proj, fc, proj; head
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 4 + 1  # qkv, proj, fc, proj; head
     assert ((after - before).abs().max() / before.abs().max()) < 0.05
     assert model.generate(idx, 5).shape == (2, 15)
 

@@ -184,8 +184,8 @@ def test_n_kv_head_equal_to_n_head_is_exactly_multi_head_attention():
     ours = Transformer(cfg).decoder.h[0].attn.eval()
     mha = nn.MultiheadAttention(cfg.n_embd, cfg.n_head, batch_first=True)
     with torch.no_grad():
-        mha.in_proj_weight.copy_(torch.cat((ours.c_q.weight, ours.c_kv.weight)))
-        mha.in_proj_bias.copy_(torch.cat((ours.c_q.bias, ours.c_kv.bias)))
+        mha.in_proj_weight.copy_(ours.c_attn.weight)  # q, k, v rows one after another in both
+        mha.in_proj_bias.copy_(ours.c_attn.bias)
         mha.out_proj.weight.copy_(ours.c_proj.weight)
         mha.out_proj.bias.copy_(ours.c_proj.bias)
     x = torch.randn(3, 9, cfg.n_embd)
@@ -199,12 +199,33 @@ def test_grouped_query_attention_equals_multi_head_with_shared_key_value_heads()
     mha = Transformer(tiny(n_kv_head=4)).eval()
     state = gqa.state_dict()
     for name, w in state.items():  # repeat each key/value head for the 2 query heads that share it
-        if "c_kv" in name:
-            w = w.view(2, 2, 1, 8, -1).expand(2, 2, 2, 8, -1).reshape(-1, *w.shape[1:])
+        if "c_attn" in name:  # rows: 4 query heads, then 2 key heads, then 2 value heads, of 8 each
+            q, kv = w.split((32, 32))
+            kv = kv.view(2, 2, 1, 8, -1).expand(2, 2, 2, 8, -1).reshape(-1, *w.shape[1:])
+            w = torch.cat((q, kv))
         state[name] = w
     mha.load_state_dict(state)
     idx, _ = inputs(dict(arch="decoder"))
     torch.testing.assert_close(gqa(idx)[0], mha(idx)[0])
+
+
+def split_q_kv(state):
+    """A state dict in the layout of checkpoints from before c_attn: c_q's rows, then c_kv's."""
+    state = dict(state)
+    for name in [n for n in state if ".attn.c_attn." in n]:
+        q_rows = state[name].size(0) // 2  # n_kv_head = n_head / 2 below: q is half the rows
+        state[name.replace("c_attn", "c_q")], state[name.replace("c_attn", "c_kv")] = state.pop(name).split(q_rows)
+    return state
+
+
+def test_a_state_dict_from_before_c_attn_loads_with_q_k_v_joined():
+    cfg = dict(arch="encoder-decoder", n_kv_head=2)
+    new, old = model_of(**cfg), model_of(seed=1, **cfg)
+    state = split_q_kv(new.state_dict())
+    assert "decoder.h.0.attn.c_q.weight" in state and "decoder.h.0.cross_attn.c_q.weight" in state
+    old.load_state_dict(state)  # strict: nothing missing, nothing left over
+    idx, src = inputs(cfg)
+    torch.testing.assert_close(old(idx, src=src)[0], new(idx, src=src)[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kw", [dict(pos="alibi", window=3), dict(pos="relative"), dict(arch="encoder", pos="rope")],
@@ -424,7 +445,7 @@ def test_gelu_approximate_picks_gpt2s_tanh_form_or_the_exact_erf_form(mlp):
 def test_residual_projections_start_smaller_by_the_root_of_the_number_of_branches():
     model = model_of(arch="encoder-decoder", n_layer=8, n_embd=256, n_head=4)
     std = lambda p: p.std().item()  # noqa: E731
-    assert abs(std(model.decoder.h[0].attn.c_q.weight) - 0.02) < 0.002
+    assert abs(std(model.decoder.h[0].attn.c_attn.weight) - 0.02) < 0.002
     assert abs(std(model.encoder.h[0].attn.c_proj.weight) - 0.02 / math.sqrt(2 * 8)) < 2e-4  # attention, MLP
     for branch in (model.decoder.h[0].attn, model.decoder.h[0].cross_attn, model.decoder.h[0].mlp):
         assert abs(std(branch.c_proj.weight) - 0.02 / math.sqrt(3 * 8)) < 2e-4  # and cross-attention

@@ -150,6 +150,40 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
 
 
 
+def test_a_checkpoint_from_before_c_attn_resumes_with_the_same_weights_and_moments():
+    from model import ModelConfig, Transformer
+    from test_model import split_q_kv
+    torch.manual_seed(0)
+    cfg = train.TrainConfig()
+    config = ModelConfig(vocab_size=20, block_size=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, bias=True)
+    model = Transformer(config)
+    opt = train.configure_optimizer(model, cfg, fused=False)
+    for _ in range(2):
+        model(torch.randint(0, 20, (3, 8)), torch.randint(0, 20, (3, 8)))[1].backward()
+        opt.step()
+    # the optimizer's state as the checkpoint of a model with c_q and c_kv numbered it
+    saved, state, old = opt.state_dict(), {}, 0
+    named = [(n, p) for n, p in model.named_parameters()]
+    order = [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
+    for new, name in enumerate(order):
+        parts = 1 + (".c_attn." in name)  # q is half of c_attn's rows here (n_kv_head = n_head / 2)
+        for i in range(parts):
+            state[old] = {k: v.chunk(parts)[i].clone() if v.dim() else v for k, v in saved["state"][new].items()}
+            old += 1
+    n_decayed = len(saved["param_groups"][0]["params"]) + config.n_layer  # each c_attn.weight was two
+    saved = dict(state=state, param_groups=[dict(saved["param_groups"][0], params=list(range(n_decayed))),
+                                            dict(saved["param_groups"][1], params=list(range(n_decayed, old)))])
+
+    resumed = Transformer(config)
+    train.join_q_kv_moments(saved, resumed)
+    resumed.load_state_dict(split_q_kv(model.state_dict()))
+    resumed_opt = train.configure_optimizer(resumed, cfg, fused=False)
+    resumed_opt.load_state_dict(saved)
+    want, got = opt.state_dict()["state"], resumed_opt.state_dict()["state"]
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[i][k], got[i][k]) for i in want for k in want[i])
+
+
 def test_a_run_resumes_in_another_precision(trained):
     d = trained
     shutil.copytree(d / "out-ok", d / "out-fp16")
