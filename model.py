@@ -282,8 +282,8 @@ class Attention(nn.Module):
             self.c_kv = nn.Linear(config.n_embd, 2 * kv_size, bias=config.bias)
         else:  # all three from x: one product, not two (GPT-2's c_attn, gpt-fast's wqkv)
             self.c_attn = nn.Linear(config.n_embd, q_size + 2 * kv_size, bias=config.bias)
+            self.split = (q_size, kv_size, kv_size)
             self.register_load_state_dict_pre_hook(join_q_kv)
-        self.split = (q_size, kv_size, kv_size)
         self.c_proj = nn.Linear(q_size, config.n_embd, bias=config.bias)
         self.config = config
         self.resid_dropout = nn.Dropout(config.dropout)

@@ -149,7 +149,6 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
     one_line_error(train("out-truncated"), "copy out-truncated/best.pt over it to resume from the best checkpoint")
 
 
-
 def test_a_checkpoint_from_before_c_attn_resumes_with_the_same_weights_and_moments():
     from model import ModelConfig, Transformer
     from test_model import split_q_kv
