@@ -113,40 +113,52 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
     d = trained
     train = lambda out, *a: run("train.py", "--dataset=verse", f"--out_dir={out}", "--init_from=resume", *TINY, *a,
                                 cwd=d)  # noqa: E731
-    one_line_error(train("out-ok", "--n_layer=3"), "--n_layer=3 does not match the checkpoint's n_layer=2",
-                   "set --n_layer=2 or drop it")
+
+    def write(name, ckpt=None, data=None, edit=lambda ckpt: None):  # a copy of out-ok's checkpoint, edited
+        os.makedirs(d / f"out-{name}", exist_ok=True)
+        if data is not None:
+            (d / f"out-{name}" / "ckpt.pt").write_bytes(data)
+        else:
+            ckpt = torch.load(d / "out-ok" / "ckpt.pt", weights_only=False)
+            edit(ckpt)
+            torch.save(ckpt, d / f"out-{name}" / "ckpt.pt")
+
     # a checkpoint from before gelu_approximate existed was trained with its default, the tanh form
-    old = torch.load(d / "out-ok" / "ckpt.pt", weights_only=False)
-    del old["model_config"]["gelu_approximate"]
-    os.makedirs(d / "out-old")
-    torch.save(old, d / "out-old" / "ckpt.pt")
-    one_line_error(train("out-old", "--gelu_approximate=none"),
-                   "--gelu_approximate='none' does not match the checkpoint's gelu_approximate='tanh'")
-    code, _, err = train("out-old", "--max_iters=5")
-    assert code == 0, err
+    for name in ("old", "old-resumed"):
+        write(name, edit=lambda c: c["model_config"].pop("gelu_approximate"))
+    write("lacking", edit=lambda c: c.pop("optimizer"))
+    write("newer", edit=lambda c: c["model_config"].update(qk_norm=True))
+    whole = (d / "out-ok" / "ckpt.pt").read_bytes()
+    write("truncated", data=whole[: len(whole) // 2])
+    write("garbage", data=os.urandom(4096))
+    write("truncated-best", data=whole[: len(whole) // 2])
+    (d / "out-truncated-best" / "best.pt").write_bytes((d / "out-ok" / "best.pt").read_bytes())
     for i in range(3):  # the same text with "a" spelt "@": as many characters, other ones
         os.makedirs(d / "texts-at", exist_ok=True)
         (d / "texts-at" / f"{i}.txt").write_text((d / "texts" / f"part{i}.txt").read_text("utf-8").replace("a", "@"),
                                                  "utf-8")
     assert run("prepare.py", "text", "--input", "texts-at/*.txt", "--name", "verse-at", "--tokenizer", "char",
                cwd=d)[0] == 0
-    one_line_error(train("out-ok", "--dataset=verse-at"), "was trained on other data")
-    for name, edit in [("lacking", lambda c: c.pop("optimizer")),
-                       ("newer", lambda c: c["model_config"].update(qk_norm=True))]:
-        ckpt = torch.load(d / "out-ok" / "ckpt.pt", weights_only=False)
-        edit(ckpt)
-        os.makedirs(d / f"out-{name}")
-        torch.save(ckpt, d / f"out-{name}" / "ckpt.pt")
-    one_line_error(train("out-lacking"), "out-lacking/ckpt.pt is not a nanoformer checkpoint (it lacks ['optimizer'])")
-    one_line_error(train("out-newer"), "model settings this model.py does not know (qk_norm)", "newer nanoformer")
-    whole = (d / "out-ok" / "ckpt.pt").read_bytes()
-    for name, data in [("truncated", whole[: len(whole) // 2]), ("garbage", os.urandom(4096))]:
-        os.makedirs(d / f"out-{name}", exist_ok=True)
-        (d / f"out-{name}" / "ckpt.pt").write_bytes(data)
-        err = one_line_error(train(f"out-{name}"), "is not a readable checkpoint", "truncated or corrupted")
-        assert "best.pt" not in err  # there is none to fall back on
-    (d / "out-truncated" / "best.pt").write_bytes((d / "out-ok" / "best.pt").read_bytes())
-    one_line_error(train("out-truncated"), "copy out-truncated/best.pt over it to resume from the best checkpoint")
+    cases = [
+        (("out-ok", "--n_layer=3"),
+         ["--n_layer=3 does not match the checkpoint's n_layer=2", "set --n_layer=2 or drop it"]),
+        (("out-old", "--gelu_approximate=none"),
+         ["--gelu_approximate='none' does not match the checkpoint's gelu_approximate='tanh'"]),
+        (("out-ok", "--dataset=verse-at"), ["was trained on other data"]),
+        (("out-lacking",), ["out-lacking/ckpt.pt is not a nanoformer checkpoint (it lacks ['optimizer'])"]),
+        (("out-newer",), ["model settings this model.py does not know (qk_norm)", "newer nanoformer"]),
+        (("out-truncated",), ["is not a readable checkpoint", "truncated or corrupted"]),
+        (("out-garbage",), ["is not a readable checkpoint", "truncated or corrupted"]),
+        (("out-truncated-best",), ["copy out-truncated-best/best.pt over it to resume from the best checkpoint"]),
+    ]
+    results = in_parallel(*(lambda args=args: train(*args) for args, _ in cases),
+                          lambda: train("out-old-resumed", "--max_iters=5"))
+    for (args, fragments), result in zip(cases, results):
+        err = one_line_error(result, *fragments)
+        if args[0] in ("out-truncated", "out-garbage"):
+            assert "best.pt" not in err  # there is none to fall back on
+    code, _, err = results[-1]  # the old checkpoint resumes
+    assert code == 0, err
 
 
 def test_a_checkpoint_from_before_c_attn_resumes_with_the_same_weights_and_moments():
