@@ -48,7 +48,7 @@ class SampleConfig:
     top_p: float | None = None  # ...or from the most likely tokens that cover this probability
     seed: int = 1337
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: str = "auto"  # bf16 on GPUs that have it (weights cast once), fp16 (under autocast), fp32 on the CPU
     compile: bool = False  # torch.compile the one-token decoding step
     batch: bool = False  # with --start=FILE:..., continue every line of the file, all in one batch
     draft_dir: str = ""  # out_dir of a small model that drafts tokens for speculative decoding
@@ -86,8 +86,18 @@ def check(cfg):
                          "give a path such as attn.html")  # found out now, not after sampling
 
 
-def load(out_dir, which, device):
-    """The model, its tokenizer and its special tokens from out_dir."""
+def precision(dtype, device):
+    """The dtype to hold the weights in, and the autocast context to sample under. bf16 weights are
+    cast once, as gpt-fast does: under autocast each fp32 weight would be cast again at every token.
+    fp16 keeps fp32 weights and autocast, whose residual stream stays fp32: fp16's narrow range is
+    known to overflow in some models' activations (T5's)."""
+    if dtype == torch.float16:
+        return torch.float32, torch.autocast(device.type, dtype=dtype)
+    return dtype, nullcontext()
+
+
+def load(out_dir, which, device, dtype=torch.float32):
+    """The model (its weights in dtype), its tokenizer and its special tokens from out_dir."""
     path = {"best": os.path.join(out_dir, "best.pt"), "latest": os.path.join(out_dir, "ckpt.pt")}
     if which == "best" and not os.path.exists(path["best"]):
         which = "latest"
@@ -96,7 +106,7 @@ def load(out_dir, which, device):
     ckpt = load_checkpoint(path[which], "cpu", f"try --ckpt={other}" if os.path.exists(path[other]) else None)
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
-    return model.to(device).eval(), Tokenizer(ckpt["meta"]), ckpt
+    return model.to(device=device, dtype=dtype).eval(), Tokenizer(ckpt["meta"]), ckpt
 
 
 def main(argv):
@@ -113,8 +123,8 @@ def main(argv):
         if os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):
             int8_quality(cfg.out_dir, device)
         return 0
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    model, tok, ckpt = load(cfg.out_dir, cfg.ckpt, device)
+    weights, autocast = precision(dtype, device)
+    model, tok, ckpt = load(cfg.out_dir, cfg.ckpt, device, weights)
     special = ckpt["tokens"]
     if cfg.quantize == "int8":
         quantize_int8(model)
@@ -144,9 +154,10 @@ def main(argv):
                 write("\n---------------\n")
             dt = time.time() - t0
     n_int8 = sum(isinstance(m, Int8Linear) for m in model.modules())
+    held = str(model.wte.weight.dtype).replace("torch.", "") + " weights"
+    held += " under float16 autocast" if dtype == torch.float16 else ""
     print(f"sample.py: {n_tokens:,} tokens in {dt:.2f} s, {n_tokens / dt:,.1f} tokens/s ({arch}, {device}, "
-          f"{str(dtype).replace('torch.', '')}{f', {n_int8} Linear layers in int8' if n_int8 else ''})",
-          file=sys.stderr)
+          f"{held}{f', {n_int8} Linear layers in int8' if n_int8 else ''})", file=sys.stderr)
     if cfg.attention:
         write_attention(cfg.attention, model, tok, picture, cfg.attention_tokens)
         print(f"sample.py: attention weights of the first sample in {cfg.attention}", file=sys.stderr)
@@ -224,7 +235,7 @@ def continue_batch(model, tok, prompts, cfg, device, write):
 
 def speculate(model, tok, prompt, cfg, device, write):
     """Speculative decoding with the draft in --draft_dir, timed against the target alone."""
-    draft, draft_tok, draft_ckpt = load(cfg.draft_dir, cfg.ckpt, device)
+    draft, draft_tok, draft_ckpt = load(cfg.draft_dir, cfg.ckpt, device, model.wte.weight.dtype)
     if draft_tok.kind != tok.kind or draft_tok.vocab_size != tok.vocab_size or (
             tok.kind == "char" and draft_tok.chars != tok.chars):
         raise UsageError(f"the draft in {cfg.draft_dir} has another vocabulary than the target: train it on "
@@ -458,7 +469,8 @@ def bench(config, device, dtype, compile=False, news=(64, 256), prompt=16):
     """Tokens/s decoding at batch 1 with random weights: the KV cache, no cache, int8 weights and
     the matrix-vector floor, all measured here and now."""
     torch.manual_seed(0)
-    model = Transformer(config).to(device=device, dtype=dtype).eval()
+    weights, autocast = precision(dtype, device)  # as sample.py samples
+    model = Transformer(config).to(device=device, dtype=weights).eval()
     int8 = quantize_int8(copy.deepcopy(model))  # before compiling: a copy would keep the original's step
     if compile:  # each cache size is compiled in the warm-up, not in the timings
         compile_decode(model, device)
@@ -467,7 +479,8 @@ def bench(config, device, dtype, compile=False, news=(64, 256), prompt=16):
     floor = floor_seconds(model, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"decoding at batch 1: {n_params / 1e6:.1f}M parameters ({config.n_layer} layers, width "
-          f"{config.n_embd}), {str(dtype).replace('torch.', '')} on {device}, {prompt}-token prompt"
+          f"{config.n_embd}), {str(weights).replace('torch.', '')} weights"
+          f"{' under float16 autocast' if dtype == torch.float16 else ''} on {device}, {prompt}-token prompt"
           f"{', compiled decode step' if compile else ''}")
     print(f"floor (F.linear over every weight once): {floor * 1e3:.1f} ms/token = {1 / floor:.1f} tokens/s")
     linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -475,12 +488,12 @@ def bench(config, device, dtype, compile=False, news=(64, 256), prompt=16):
                      if isinstance(m, Int8Linear))
     print(f"Linear weights: {sum(w.numel() * w.element_size() for w in linear) / 2**20:.1f} MiB, "
           f"int8: {int8_bytes / 2**20:.1f} MiB")
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         full, small = model(idx)[0].float(), int8(idx)[0].float()
     print(f"int8 logits: max |difference| / max |logit| = {((full - small).abs().max() / full.abs().max()).item():.4f}")
     print(f"{'new tokens':>10} | {'KV cache':>14} | {'no cache':>14} | {'int8 + cache':>14} | "
           f"{'cache / no cache':>16} | {'ms/token / floor':>16}")
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         for n in news if compile else (8,):  # warm up (and compile) outside the timings
             model.generate(idx, n)
             int8.generate(idx, n)

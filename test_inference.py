@@ -17,7 +17,7 @@ import torch.nn as nn
 import sample as sample_py
 from model import (Int8Linear, ModelConfig, Transformer, accept_or_resample, quantize_int8,
                    speculative_generate)
-from test_scripts import TINY, run, workdir  # noqa: F401  (workdir is a fixture)
+from test_scripts import TINY, in_parallel, run, workdir  # noqa: F401  (workdir is a fixture)
 
 V = 23
 
@@ -272,6 +272,19 @@ def test_sample_with_a_draft_prints_the_acceptance_rate_and_the_target_text(targ
     assert fast == plain  # greedy: the same text
     assert re.search(r"draft tokens accepted \d+/\d+ \([\d.]+%\); speculative [\d.,]+ tokens/s, "
                      r"target alone [\d.,]+ tokens/s: [\d.]+x \(k=3\)", err)
+
+
+def test_sample_in_bf16_holds_the_weights_in_bf16_with_or_without_a_draft(target_and_draft):
+    d = target_and_draft
+    args = ["--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=20", "--temperature=0", "--dtype=bfloat16"]
+    (code, text, err), (code2, fast, err2) = in_parallel(lambda: run("sample.py", *args, cwd=d),
+                                                         lambda: run("sample.py", *args, "--draft_dir=out-draft", cwd=d))
+    assert code == 0 and code2 == 0, err + err2
+    assert "(decoder, cpu, bfloat16 weights)" in err  # cast once, not by autocast at every token
+    model, tok, _ = sample_py.load(str(d / "out-target"), "best", torch.device("cpu"), torch.bfloat16)
+    out = model.generate(torch.tensor([tok.encode("LEAR:")]), 20, temperature=0)
+    assert text.split("\n---------------\n")[0] == tok.decode(out[0].tolist())
+    assert fast == text  # the draft, loaded in the target's dtype: greedy, the same text
 
 
 def test_sample_int8_and_attention_page(target_and_draft):
