@@ -88,9 +88,10 @@ def check(cfg):
 
 def precision(dtype, device):
     """The dtype to hold the weights in, and the autocast context to sample under. bf16 weights are
-    cast once, as gpt-fast does: under autocast each fp32 weight would be cast again at every token.
-    fp16 keeps fp32 weights and autocast, whose residual stream stays fp32: fp16's narrow range is
-    known to overflow in some models' activations (T5's)."""
+    cast once, as gpt-fast does: under autocast a compiled decode step casts every fp32 weight
+    again at each token (autocast's cache of casts stays outside compiled graphs), and an eager one
+    keeps a bf16 copy beside each. fp16 keeps fp32 weights and autocast, whose residual stream stays
+    fp32: fp16's narrow range is known to overflow in some models' activations (T5's)."""
     if dtype == torch.float16:
         return torch.float32, torch.autocast(device.type, dtype=dtype)
     return dtype, nullcontext()
