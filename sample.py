@@ -97,8 +97,9 @@ def precision(dtype, device):
     return dtype, nullcontext()
 
 
-def load(out_dir, which, device, dtype=torch.float32):
-    """The model (its weights in dtype), its tokenizer and its special tokens from out_dir."""
+def load(out_dir, which, device, dtype=torch.float32, quantize=""):
+    """The model (its weights in dtype; its Linear layers in int8 with quantize="int8"), its
+    tokenizer and its special tokens from out_dir."""
     path = {"best": os.path.join(out_dir, "best.pt"), "latest": os.path.join(out_dir, "ckpt.pt")}
     if which == "best" and not os.path.exists(path["best"]):
         which = "latest"
@@ -107,6 +108,8 @@ def load(out_dir, which, device, dtype=torch.float32):
     ckpt = load_checkpoint(path[which], "cpu", f"try --ckpt={other}" if os.path.exists(path[other]) else None)
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
+    if quantize == "int8":
+        quantize_int8(model)  # from the fp32 weights: one rounding, not two
     return model.to(device=device, dtype=dtype).eval(), Tokenizer(ckpt["meta"]), ckpt
 
 
@@ -125,10 +128,8 @@ def main(argv):
             int8_quality(cfg.out_dir, device)
         return 0
     weights, autocast = precision(dtype, device)
-    model, tok, ckpt = load(cfg.out_dir, cfg.ckpt, device, weights)
+    model, tok, ckpt = load(cfg.out_dir, cfg.ckpt, device, weights, cfg.quantize)
     special = ckpt["tokens"]
-    if cfg.quantize == "int8":
-        quantize_int8(model)
     if cfg.compile:
         compile_decode(model, device)
     prompt = read_prompt(cfg.start)
@@ -236,13 +237,11 @@ def continue_batch(model, tok, prompts, cfg, device, write):
 
 def speculate(model, tok, prompt, cfg, device, write):
     """Speculative decoding with the draft in --draft_dir, timed against the target alone."""
-    draft, draft_tok, draft_ckpt = load(cfg.draft_dir, cfg.ckpt, device, model.wte.weight.dtype)
+    draft, draft_tok, draft_ckpt = load(cfg.draft_dir, cfg.ckpt, device, model.wte.weight.dtype, cfg.quantize)
     if draft_tok.kind != tok.kind or draft_tok.vocab_size != tok.vocab_size or (
             tok.kind == "char" and draft_tok.chars != tok.chars):
         raise UsageError(f"the draft in {cfg.draft_dir} has another vocabulary than the target: train it on "
                          "the same dataset")
-    if cfg.quantize == "int8":
-        quantize_int8(draft)
     idx = torch.tensor([encode_prompt(model, tok, prompt)], device=device)
     args = (cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
     accepted = proposed = 0
@@ -471,8 +470,10 @@ def bench(config, device, dtype, compile=False, news=(64, 256), prompt=16):
     the matrix-vector floor, all measured here and now."""
     torch.manual_seed(0)
     weights, autocast = precision(dtype, device)  # as sample.py samples
-    model = Transformer(config).to(device=device, dtype=weights).eval()
-    int8 = quantize_int8(copy.deepcopy(model))  # before compiling: a copy would keep the original's step
+    model = Transformer(config).to(device).eval()
+    # int8 from the fp32 weights, as load() does; before compiling: a copy would keep the original's step
+    int8 = quantize_int8(copy.deepcopy(model)).to(weights)
+    model.to(weights)
     if compile:  # each cache size is compiled in the warm-up, not in the timings
         compile_decode(model, device)
         compile_decode(int8, device)
