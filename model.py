@@ -323,7 +323,8 @@ def join_q_kv(module, state, prefix, *args):
     c_kv: join them on loading."""
     for p in ("weight", "bias"):
         if prefix + "c_q." + p in state:
-            state[prefix + "c_attn." + p] = torch.cat((state.pop(prefix + "c_q." + p), state.pop(prefix + "c_kv." + p)))
+            q, kv = state.pop(prefix + "c_q." + p), state.pop(prefix + "c_kv." + p)
+            state[prefix + "c_attn." + p] = torch.cat((q, kv))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -97,6 +97,12 @@ def precision(dtype, device):
     return dtype, nullcontext()
 
 
+def precision_name(weights, dtype):
+    """How sample.py runs: "bfloat16 weights", "float32 weights under float16 autocast"."""
+    autocast = " under float16 autocast" if dtype == torch.float16 else ""
+    return str(weights).replace("torch.", "") + " weights" + autocast
+
+
 def load(out_dir, which, device, dtype=torch.float32, quantize=""):
     """The model (its weights in dtype; its Linear layers in int8 with quantize="int8"), its
     tokenizer and its special tokens from out_dir."""
@@ -156,10 +162,9 @@ def main(argv):
                 write("\n---------------\n")
             dt = time.time() - t0
     n_int8 = sum(isinstance(m, Int8Linear) for m in model.modules())
-    held = str(model.wte.weight.dtype).replace("torch.", "") + " weights"
-    held += " under float16 autocast" if dtype == torch.float16 else ""
     print(f"sample.py: {n_tokens:,} tokens in {dt:.2f} s, {n_tokens / dt:,.1f} tokens/s ({arch}, {device}, "
-          f"{held}{f', {n_int8} Linear layers in int8' if n_int8 else ''})", file=sys.stderr)
+          f"{precision_name(model.wte.weight.dtype, dtype)}{f', {n_int8} Linear layers in int8' if n_int8 else ''})",
+          file=sys.stderr)
     if cfg.attention:
         write_attention(cfg.attention, model, tok, picture, cfg.attention_tokens)
         print(f"sample.py: attention weights of the first sample in {cfg.attention}", file=sys.stderr)
@@ -481,8 +486,7 @@ def bench(config, device, dtype, compile=False, news=(64, 256), prompt=16):
     floor = floor_seconds(model, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"decoding at batch 1: {n_params / 1e6:.1f}M parameters ({config.n_layer} layers, width "
-          f"{config.n_embd}), {str(weights).replace('torch.', '')} weights"
-          f"{' under float16 autocast' if dtype == torch.float16 else ''} on {device}, {prompt}-token prompt"
+          f"{config.n_embd}), {precision_name(weights, dtype)} on {device}, {prompt}-token prompt"
           f"{', compiled decode step' if compile else ''}")
     print(f"floor (F.linear over every weight once): {floor * 1e3:.1f} ms/token = {1 / floor:.1f} tokens/s")
     linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]

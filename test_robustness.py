@@ -186,9 +186,9 @@ def test_a_checkpoint_from_before_c_attn_resumes_with_the_same_weights_and_momen
                                             dict(saved["param_groups"][1], params=list(range(n_decayed, old)))])
 
     resumed = Transformer(config)
-    train.join_q_kv_moments(saved, resumed)
-    resumed.load_state_dict(split_q_kv(model.state_dict()))
     resumed_opt = train.configure_optimizer(resumed, cfg, fused=False)
+    train.join_q_kv_moments(saved, resumed_opt, resumed)
+    resumed.load_state_dict(split_q_kv(model.state_dict()))
     resumed_opt.load_state_dict(saved)
     want, got = opt.state_dict()["state"], resumed_opt.state_dict()["state"]
     assert want.keys() == got.keys()

@@ -581,7 +581,7 @@ def main(argv):
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
         if any(".attn.c_q." in k for k in ckpt["model"]):  # written before c_attn: see model.join_q_kv
-            join_q_kv_moments(ckpt["optimizer"], model)
+            join_q_kv_moments(ckpt["optimizer"], optimizer, model)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
@@ -773,22 +773,20 @@ def configure_optimizer(model, cfg, fused):
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
 
 
-def join_q_kv_moments(saved, model):
+def join_q_kv_moments(saved, optimizer, model):
     """AdamW's state from a checkpoint written before self-attention's c_attn, whose rows were two
     parameters, c_q then c_kv: join their moments as model.join_q_kv joins the weights. The saved
-    state numbers the parameters in configure_optimizer's order, where each c_attn was two."""
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    state numbers the parameters in the order of optimizer's groups, where each c_attn was two."""
+    names = {p: name for name, p in model.named_parameters()}
     old, new, state = 0, 0, {}
-    for group, decayed in zip(saved["param_groups"], (True, False)):
-        group["params"] = []
-        for name, p in params:
-            if (p.dim() >= 2) != decayed:
-                continue
-            parts = [saved["state"].get(old + i) for i in range(1 + (".c_attn." in name))]
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+        saved_group["params"] = []
+        for p in group["params"]:
+            parts = [saved["state"].get(old + i) for i in range(1 + (".c_attn." in names[p]))]
             if parts[0] is not None:  # experts that never saw a token have no state
                 state[new] = {k: torch.cat([s[k] for s in parts]) if torch.is_tensor(v) and v.dim() else v
                               for k, v in parts[0].items()}
-            group["params"].append(new)
+            saved_group["params"].append(new)
             old, new = old + len(parts), new + 1
     saved["state"] = state
 
