@@ -805,7 +805,12 @@ if __name__ == "__main__":
     try:
         status = main(sys.argv[1:])
     except UsageError as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, one line, not one per rank
+        if os.environ.get("RANK", "0") != "0" and not dist.is_initialized():
+            # under torchrun every rank meets a bad setting and rank 0 reports it. torchrun stops
+            # all ranks as soon as one exits, maybe before rank 0 has printed: so the others wait
+            # to be stopped, and speak only if they are not (an error of their own)
+            time.sleep(10)
+        if os.environ.get("RANK", "0") == "0" or not dist.is_initialized():
             print(f"train.py: error: {e}", file=sys.stderr)
         status = 2
     if dist.is_initialized():
