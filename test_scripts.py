@@ -333,6 +333,11 @@ def test_mfu_counts_against_the_peak_of_the_gpus_own_variant(name, tflops, monke
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert train.peak_flops(torch.device("cuda"), torch.bfloat16)[0] == tflops * 1e12
 
+def test_a_gpu_missing_from_the_peak_table_is_not_taken_for_one_whose_name_it_contains():
+    assert [train.spec_tflops(n) for n in ("NVIDIA A10", "NVIDIA A10G", "NVIDIA L40S", "NVIDIA GH200 480GB",
+                                           "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 4090")] \
+        == [125, None, 362, 989, 125, 165]
+
 def test_settings_suggest_the_closest_key_and_check_types():
     with pytest.raises(train.UsageError, match="did you mean --learning_rate"):
         train.parse_settings(["--learning_rat=1e-3"])

@@ -290,13 +290,18 @@ PEAK_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "GH2
                "RTX 3090": 71, "V100": 125, "T4": 65}
 
 
+def spec_tflops(name):
+    """The dense bf16 TFLOP/s of the GPU called name (as CUDA calls it), or None if the table lacks it.
+    Whole words only: an A10G is not an A10, nor an H200 a GH200."""
+    return next((t for key, t in PEAK_TFLOPS.items() if re.search(rf"\b{key}\b", name)), None)
+
+
 def peak_flops(device, dtype):
     """The device's dense bf16/fp16 peak from a table of GPUs, or else what a large matmul reaches."""
     if device.type == "cuda" and dtype != torch.float32:
         name = torch.cuda.get_device_name(device)
-        for key, tflops in PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12, f"{name} {tflops} TFLOP/s (spec sheet)"
+        if tflops := spec_tflops(name):
+            return tflops * 1e12, f"{name} {tflops} TFLOP/s (spec sheet)"
     n = 8192 if device.type == "cuda" else 1024  # large enough to reach a GPU's peak
     # random numbers (all ones would draw less power, and a GPU can clock higher), from a generator
     # of its own: the global RNG state is the run's
