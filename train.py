@@ -284,7 +284,7 @@ def flops_per_token(model, T):
     return 6 * n + stacks * 12 * c.n_layer * c.n_head * c.head_size * T
 
 
-# dense bf16/fp16 TFLOP/s by a part of the GPU's name; the first that matches counts
+# dense bf16/fp16 TFLOP/s by words of the GPU's name; the first that matches counts
 PEAK_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "GH200": 989, "B200": 2250,
                "A100": 312, "A800": 312, "L40S": 362, "L40": 181, "A10": 125, "L4": 121, "RTX 4090": 165,
                "RTX 3090": 71, "V100": 125, "T4": 65}
@@ -810,12 +810,13 @@ if __name__ == "__main__":
     try:
         status = main(sys.argv[1:])
     except UsageError as e:
-        if os.environ.get("RANK", "0") != "0" and not dist.is_initialized():
+        rank0, connected = os.environ.get("RANK", "0") == "0", dist.is_initialized()
+        if not rank0 and not connected:
             # under torchrun every rank meets a bad setting and rank 0 reports it. torchrun stops
             # all ranks as soon as one exits, maybe before rank 0 has printed: so the others wait
             # to be stopped, and speak only if they are not (an error of their own)
             time.sleep(10)
-        if os.environ.get("RANK", "0") == "0" or not dist.is_initialized():
+        if rank0 or not connected:
             print(f"train.py: error: {e}", file=sys.stderr)
         status = 2
     if dist.is_initialized():
