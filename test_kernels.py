@@ -16,6 +16,20 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 HERE = os.path.dirname(os.path.abspath(__file__))
 needs_triton = pytest.mark.skipif(not kernels.available, reason="triton is not installed")
+# the autotuned kernels, {dtype: autotuner} each, and every autotuner's configs as kernels.py
+# defines them (the interpreter has one per kernel)
+TUNED = [kernels._fwd, kernels._bwd_dkdv, kernels._bwd_dq] if kernels.available else []
+CONFIGS = {tuner: tuner.configs for tuned in TUNED for tuner in tuned.values()}
+
+
+@pytest.fixture(autouse=True)
+def one_config_per_kernel(monkeypatch):
+    """On a GPU, each test's kernels run their first autotuning config: autotuning compiles every
+    config for every new shape, 15 compilations where the test needs 3, and the suite would take
+    half an hour. test_every_autotuning_config_computes_the_same_attention covers the others."""
+    if CUDA:
+        for tuner, configs in CONFIGS.items():
+            monkeypatch.setattr(tuner, "configs", configs[:1])
 
 
 def reference(q, k, v, causal=False, scale=None, alibi_slopes=None, window=0, key_padding_mask=None):
@@ -142,6 +156,25 @@ def test_half_precision_error_is_within_twice_that_of_torchs_own_attention(c, dt
         assert a.dtype == dtype
         err, torch_err = (a.float() - want).abs().max().item(), (b.float() - want).abs().max().item()
         assert err <= 2 * torch_err + 1e-4, f"{name}: error {err:.2e}, torch's own {torch_err:.2e}"
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="the interpreter runs one config per kernel; a GPU autotunes over several")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_autotuning_config_computes_the_same_attention(dtype, monkeypatch):
+    c = spec(B=2, Hq=4, Hkv=2, Tq=100, Tk=130, D=48, alibi=True, pad=True, causal=True, window=50)
+    q, k, v, grad, kw = make(c, dtype)
+    exact = forward_backward(reference, q.float(), k.float(), v.float(), grad.float(), **kw)
+    torch_own = forward_backward(reference, q, k, v, grad, **kw)
+    tuners = [tuned[dtype] for tuned in TUNED]
+    configs = [CONFIGS[tuner] for tuner in tuners]
+    for i in range(max(map(len, configs))):  # every config of every kernel at least once
+        for tuner, options in zip(tuners, configs):
+            monkeypatch.setattr(tuner, "configs", [options[i % len(options)]])
+        got = forward_backward(kernels.flash_attention, q, k, v, grad, **kw)
+        for name, a, b, want in zip(("out", "dq", "dk", "dv"), got, torch_own, exact):
+            err, torch_err = (a.float() - want).abs().max().item(), (b.float() - want).abs().max().item()
+            assert err <= 2 * torch_err + 1e-4, f"config {i}, {name}: error {err:.2e}, torch's own {torch_err:.2e}"
 
 
 @needs_triton
