@@ -111,7 +111,7 @@ class ModelConfig:
                              f"{self.head_size}: use attn_impl='auto' or 'sdpa'")
         if self.attn_impl == "triton" and self.dropout:
             raise ValueError("the Triton kernel does not drop attention weights: set dropout=0, or use "
-                             "attn_impl='auto', which takes the kernel whenever dropout is off")
+                             "attn_impl='auto', which trains with dropout through SDPA")
         if self.rope_scaling <= 0 or self.rope_theta <= 0:
             raise ValueError("rope_theta and rope_scaling must be positive (rope_scaling=1 means no scaling)")
 
@@ -189,15 +189,25 @@ class Mask(NamedTuple):
     bias: torch.Tensor | None = None  # the dense form; None when nothing or `causal` alone applies
 
 
-def attn_impl(config, device, training):
-    """The attention path: the Triton kernel on a CUDA GPU of compute capability 8.0 (Ampere) or
-    later, where it applies (no relative bias, no attention dropout, heads of at most 128), else
-    torch's SDPA; or what the config asks for."""
+# "auto" takes the Triton kernel only where it was measured faster than SDPA (README, "The
+# attention kernel"; an H100): for masks that SDPA takes as a dense bias, in models of this context
+# or longer. Plain causal attention runs faster in SDPA's own fused kernels (cuDNN's on an H100).
+KERNEL_MIN_CONTEXT = 4096
+
+
+def attn_impl(config, device, training, mask=Mask()):
+    """The attention path for this mask: what the config asks for; or for "auto", the Triton kernel
+    on a CUDA GPU of compute capability 8.0 (Ampere) or later where SDPA has no fused kernel for the
+    mask (ALiBi, windows, padding, queries after a KV cache), the context is at least
+    KERNEL_MIN_CONTEXT and the kernel applies (no relative bias, no attention dropout, heads of at
+    most 128); else torch's SDPA."""
     if config.attn_impl != "auto":
         return config.attn_impl
-    kernel_fits = (config.pos != "relative" and not (training and config.dropout)
-                   and config.head_size <= kernels.MAX_HEAD_SIZE)
-    on_gpu = device.type == "cuda" and kernels.available and kernel_fits
+    plain = mask.bias is None and not mask.window and mask.alibi is None and mask.valid is None
+    faster = not plain and config.block_size >= KERNEL_MIN_CONTEXT
+    applies = (config.pos != "relative" and not (training and config.dropout)
+               and config.head_size <= kernels.MAX_HEAD_SIZE)
+    on_gpu = device.type == "cuda" and kernels.available and faster and applies
     return "triton" if on_gpu and torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
 
 
@@ -311,7 +321,7 @@ class Attention(nn.Module):
             if self.kv_cache is not None:
                 k, v = self.kv_cache(k, v)
         dropout = self.config.dropout if self.training else 0.0
-        y, att = attention(q, k, v, mask, attn_impl(self.config, x.device, self.training), dropout)
+        y, att = attention(q, k, v, mask, attn_impl(self.config, x.device, self.training, mask), dropout)
         if att is not None:
             self.att = att.detach()
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size)  # heads side by side
@@ -456,12 +466,13 @@ class Stack(nn.Module):
         # it, prompt and output alike, a model with relative positions is a sliding-window model
         # (absolute ones recompute their context instead, see generate_tokens)
         window = c.window if self.cache_valid is None else min(c.window or c.block_size, c.block_size)
-        if attn_impl(c, x.device, self.training) == "triton":  # the kernel masks block by block
-            mask = Mask(self.causal, window, self.slopes if c.pos == "alibi" else None, valid)
-            memory_mask = Mask(valid=memory_valid)
-        else:  # SDPA and the math path take one dense bias
+        # the kernel masks block by block; SDPA and the math path take one dense bias
+        mask = Mask(self.causal, window, self.slopes if c.pos == "alibi" else None, valid)
+        if attn_impl(c, x.device, self.training, mask) != "triton":
             T = x.size(1)
             mask = Mask(self.causal, bias=self.attn_bias(T, T if valid is None else valid.size(1), valid, window, x.device))
+        memory_mask = Mask(valid=memory_valid)
+        if attn_impl(c, x.device, self.training, memory_mask) != "triton":
             memory_mask = Mask(bias=None if memory_valid is None else padding_bias(memory_valid))
         cos_sin = rope(pos, c.head_size, c.rope_theta, c.rope_scaling) if c.pos == "rope" else None
         for block in self.h:

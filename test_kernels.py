@@ -306,7 +306,7 @@ def test_benchmark_without_a_gpu_exits_2_with_a_one_line_message():
 # ----------------------------------------------------------------------------------------------
 # The kernel inside model.py
 
-from model import ModelConfig, Transformer, attn_impl, quantize_int8, speculative_generate  # noqa: E402
+from model import Mask, ModelConfig, Transformer, attn_impl, quantize_int8, speculative_generate  # noqa: E402
 
 MODEL_CASES = [
     dict(arch="decoder", pos="alibi", window=5, n_kv_head=2),
@@ -375,12 +375,18 @@ def test_under_autocast_the_kernel_decodes_speculatively_and_with_int8_weights()
 
 
 def test_auto_takes_the_kernel_on_cuda_only_where_it_applies(monkeypatch):
-    def pick(device, training=False, **kw):
-        return attn_impl(ModelConfig(**kw), torch.device(device), training)
+    window, alibi, padded = Mask(True, window=8), Mask(True, alibi=torch.ones(4)), Mask(valid=torch.ones(1, 8) > 0)
+    def pick(device, training=False, mask=window, block_size=4096, **kw):
+        return attn_impl(ModelConfig(block_size=block_size, **kw), torch.device(device), training, mask)
     capability = [(9, 0)]  # an H100's, asked of the (possibly absent) GPU
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     kernel = "triton" if kernels.available else "sdpa"
-    assert pick("cpu") == "sdpa" and pick("cuda") == kernel
+    assert pick("cpu") == "sdpa" and pick("cuda") == pick("cuda", mask=alibi) == pick("cuda", mask=padded) == kernel
+    # plain causal (or no mask): SDPA's own fused kernels, cuDNN's on an H100, are faster
+    assert pick("cuda", mask=Mask(True)) == pick("cuda", mask=Mask()) == "sdpa"
+    assert pick("cuda", mask=Mask(True), attn_impl="triton") == "triton"
+    # below 4096 positions SDPA with a dense bias was faster too
+    assert pick("cuda", block_size=2048) == "sdpa" and pick("cuda", block_size=2048, attn_impl="triton") == "triton"
     assert pick("cuda", pos="relative") == "sdpa"  # no T5 bias in the kernel
     assert pick("cuda", training=True, dropout=0.1) == "sdpa" and pick("cuda", dropout=0.1) == kernel
     assert pick("cuda", n_embd=512, n_head=4) == kernel and pick("cuda", n_embd=1024, n_head=4) == "sdpa"  # hs 256
