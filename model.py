@@ -467,7 +467,7 @@ class Stack(nn.Module):
         # (absolute ones recompute their context instead, see generate_tokens)
         window = c.window if self.cache_valid is None else min(c.window or c.block_size, c.block_size)
         # the kernel masks block by block; SDPA and the math path take one dense bias
-        mask = Mask(self.causal, window, self.slopes if c.pos == "alibi" else None, valid)
+        mask = self.mask(window, valid)
         if attn_impl(c, x.device, self.training, mask) != "triton":
             T = x.size(1)
             mask = Mask(self.causal, bias=self.attn_bias(T, T if valid is None else valid.size(1), valid, window, x.device))
@@ -478,6 +478,10 @@ class Stack(nn.Module):
         for block in self.h:
             x = block(x, mask, cos_sin, memory, memory_mask)
         return self.ln_f(x) if c.norm_first else x
+
+    def mask(self, window, valid=None):
+        """What each query may see, in pieces, the form the kernel takes."""
+        return Mask(self.causal, window, self.slopes if self.config.pos == "alibi" else None, valid)
 
     def attn_bias(self, Tq, Tk, valid, window, dev):
         """What each query may see, as an additive bias (B|1, nh|1, Tq, Tk): the position bias where it

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kernels
-from model import Mask, ModelConfig, Transformer, alibi_slopes, attn_impl
+from model import ModelConfig, Transformer, attn_impl
 
 
 @dataclass
@@ -377,13 +377,13 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
             if device.type == "cuda":
                 memory[name] = max(memory[name], torch.cuda.max_memory_allocated(device) - resident)
     tokens = cfg.gradient_accumulation_steps * cfg.batch_size * model.config.block_size
-    c = model.config  # training batches have no padding: the mask is the config's
-    mask = Mask(c.arch != "encoder", c.window, torch.tensor(alibi_slopes(c.n_head)) if c.pos == "alibi" else None)
+    stack = model.decoder if model.decoder is not None else model.encoder
+    mask = stack.mask(model.config.window)  # training batches have no padding
     median = {name: sorted(ts, key=sum)[rounds // 2] for name, ts in times.items()}
     base = sum(median["nanoGPT's recipe"])
     lines = [f"bench: {rounds} rounds of {iters} iterations after {warmup} of warm-up, {tokens:,} tokens per "
              f"iteration, {device} {str(dtype).replace('torch.', '')}{', compiled' if cfg.compile else ''}; "
-             f"attention: {attn_impl(c, device, True, mask)} in train.py, sdpa in nanoGPT's recipe",
+             f"attention: {attn_impl(model.config, device, True, mask)} in train.py, sdpa in nanoGPT's recipe",
              f"{'':18} {'ms/iter':>8} {'fwd+bwd':>8} {'update':>7} {'tokens/s':>9} {'MFU':>6} {'speed-up':>9}"
              f"  each round (ms/iter)"]
     for name, (fb, up) in median.items():
