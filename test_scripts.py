@@ -326,17 +326,26 @@ def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     assert all(a >= b for a, b in zip(lrs[10:111], lrs[11:112])) and lrs[150] == 0.1
 
 
-
 @pytest.mark.parametrize("name, tflops", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
                                           ("NVIDIA H100 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312)])
 def test_mfu_counts_against_the_peak_of_the_gpus_own_variant(name, tflops, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert train.peak_flops(torch.device("cuda"), torch.bfloat16)[0] == tflops * 1e12
 
+
+def test_a_cpu_measures_its_peak_with_a_product_sized_to_its_dtype():
+    # fp32 is this project's CPU precision; half precision, often without matmul instructions on a
+    # CPU, gets a smaller product so that start-up is not seconds of measuring
+    for dtype, n in ((torch.float32, 1024), (torch.float16, 256), (torch.bfloat16, 256)):
+        flops, source = train.peak_flops(torch.device("cpu"), dtype)
+        assert flops > 0 and source.endswith(f"(measured {n}^3 matmul, {dtype})")
+
+
 def test_a_gpu_missing_from_the_peak_table_is_not_taken_for_one_whose_name_it_contains():
     assert [train.spec_tflops(n) for n in ("NVIDIA A10", "NVIDIA A10G", "NVIDIA L40S", "NVIDIA GH200 480GB",
                                            "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 4090")] \
         == [125, None, 362, 989, 125, 165]
+
 
 def test_settings_suggest_the_closest_key_and_check_types():
     with pytest.raises(train.UsageError, match="did you mean --learning_rate"):

@@ -302,7 +302,9 @@ def peak_flops(device, dtype):
         name = torch.cuda.get_device_name(device)
         if tflops := spec_tflops(name):
             return tflops * 1e12, f"{name} {tflops} TFLOP/s (spec sheet)"
-    n = 8192 if device.type == "cuda" else 1024  # large enough to reach a GPU's peak
+    # large enough to reach a GPU's peak; on a CPU without half-precision matmul instructions a
+    # 1024^3 product in bf16/fp16 takes seconds (about 1 GFLOP/s), and 256^3 measures the same rate
+    n = 8192 if device.type == "cuda" else 1024 if dtype == torch.float32 else 256
     # random numbers (all ones would draw less power, and a GPU can clock higher), from a generator
     # of its own: the global RNG state is the run's
     a = b = torch.randn(n, n, device=device, generator=torch.Generator(device).manual_seed(0)).to(dtype)
