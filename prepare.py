@@ -33,6 +33,11 @@ import time
 import zipfile
 from multiprocessing import Pool
 
+# Ctrl-C while numpy loads ends quietly (status 130, no traceback); from then on on_signal, which
+# also removes what is half made, takes over
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+
 import numpy as np
 
 CACHE = os.environ.get("NANOFORMER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanoformer"))

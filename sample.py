@@ -19,10 +19,15 @@ import copy
 import html
 import json
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
+
+# Ctrl-C while torch loads or the text streams out ends sampling quietly: status 130, no traceback
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
 
 import numpy as np
 import torch

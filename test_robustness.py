@@ -327,6 +327,27 @@ def test_sigint_or_sigterm_saves_a_checkpoint_and_exits_cleanly(workdir, sig):  
     assert code == 0 and len(losses(log)) == 3, err
 
 
+def test_ctrl_c_while_torch_loads_or_text_streams_out_exits_quietly(trained):
+    d = trained
+    # -X importtime prints a line as each module finishes loading: numpy's comes just before torch's
+    # import, which takes seconds, begins
+    cmd = [sys.executable, "-X", "importtime", os.path.join(HERE, "train.py"), "--dataset=verse", "--out_dir=out-early",
+           *TINY]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=d)
+    for line in p.stderr:
+        if line.rstrip().endswith("| numpy"):
+            break
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err and out == "" and not (d / "out-early").exists(), err
+    cmd = [sys.executable, os.path.join(HERE, "sample.py"), "--out_dir=out-ok", "--max_new_tokens=1000000"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=d)
+    assert p.stdout.read(20)  # it streams text
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err == "", err
+
+
 @pytest.mark.parametrize("arch, extra", [("decoder", ["--dropout=0.1"]), ("encoder", []),
                                           ("encoder-decoder", ["--pos=relative"])])
 def test_resuming_halfway_gives_bit_identical_losses_and_weights(workdir, arch, extra):  # noqa: F811

@@ -31,6 +31,11 @@ from contextlib import nullcontext, suppress
 from dataclasses import asdict, dataclass, fields, replace
 from typing import get_args
 
+# Ctrl-C while torch loads (seconds) or the run is set up ends it quietly: status 130, no traceback.
+# The training loop then takes over SIGINT to save a checkpoint first.
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+
 import numpy as np
 import torch
 import torch.distributed as dist
