@@ -101,10 +101,11 @@ def test_train_refuses_damaged_data_in_one_line(workdir):  # noqa: F811
 def test_a_new_run_never_overwrites_checkpoints_and_eval_only_writes_nothing(trained):
     d = trained
     before = {f: (d / "out-ok" / f).read_bytes() for f in ("ckpt.pt", "best.pt")}
-    one_line_error(run("train.py", "--dataset=verse", "--out_dir=out-ok", *TINY, cwd=d),
-                   "out-ok/ckpt.pt holds a run that a new one would overwrite", "--init_from=resume")
-    for how in ("--init_from=resume", "--init_from=scratch"):
-        code, out, err = run("train.py", "--dataset=verse", "--out_dir=out-ok", *TINY, "--eval_only", how, cwd=d)
+    train = lambda *a: run("train.py", "--dataset=verse", "--out_dir=out-ok", *TINY, *a, cwd=d)  # noqa: E731
+    new, *evals = in_parallel(train, lambda: train("--eval_only", "--init_from=resume"),
+                              lambda: train("--eval_only", "--init_from=scratch"))
+    one_line_error(new, "out-ok/ckpt.pt holds a run that a new one would overwrite", "--init_from=resume")
+    for code, out, err in evals:
         assert code == 0 and "val loss" in out, err
     assert {f: (d / "out-ok" / f).read_bytes() for f in before} == before
 
@@ -203,6 +204,7 @@ def test_a_run_resumes_in_another_precision(trained):
                          "--dtype=float16", "--max_iters=5", *TINY, cwd=d)
     assert code == 0 and "done: 5 iterations" in log, err
 
+
 def test_under_torchrun_a_bad_setting_is_reported_once(workdir):  # noqa: F811
     d, _ = workdir
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -251,9 +253,10 @@ def test_sample_refuses_spans_an_encoder_decoder_cannot_fill(workdir):  # noqa: 
                        "--max_iters=2", "--eval_interval=2", *TINY, cwd=d)
     assert code == 0, err
     sample = lambda start: run("sample.py", "--out_dir=out-t5", f"--start={start}", "--max_new_tokens=3", cwd=d)  # noqa: E731
-    one_line_error(sample("a" * 20 + "[MASK]"), "the text is 21 tokens, longer than the model's block_size=16")
-    one_line_error(sample("a[MASK]" * 100), "the prompt has 100 [MASK]s; this model fills at most 99 spans")
-    code, out, err = sample("a" * 10 + "[MASK]")
+    too_long, too_many, (code, out, err) = in_parallel(*(lambda start=start: sample(start) for start in
+                                                         ("a" * 20 + "[MASK]", "a[MASK]" * 100, "a" * 10 + "[MASK]")))
+    one_line_error(too_long, "the text is 21 tokens, longer than the model's block_size=16")
+    one_line_error(too_many, "the prompt has 100 [MASK]s; this model fills at most 99 spans")
     assert code == 0 and out.startswith("a" * 10), err
 
 
@@ -353,10 +356,10 @@ def test_ctrl_c_while_torch_loads_or_text_streams_out_exits_quietly(trained):
 def test_resuming_halfway_gives_bit_identical_losses_and_weights(workdir, arch, extra):  # noqa: F811
     d, _ = workdir
     args = ["--dataset=verse", "--eval_interval=3", f"--arch={arch}", *TINY, *extra]
-    code, straight, err = run("train.py", f"--out_dir=out-{arch}-straight", "--max_iters=8", *args, cwd=d)
-    assert code == 0, err
-    code, first, err = run("train.py", f"--out_dir=out-{arch}-halves", "--max_iters=4", *args, cwd=d)
-    assert code == 0, err
+    (code, straight, err), (code_first, first, err_first) = in_parallel(
+        lambda: run("train.py", f"--out_dir=out-{arch}-straight", "--max_iters=8", *args, cwd=d),
+        lambda: run("train.py", f"--out_dir=out-{arch}-halves", "--max_iters=4", *args, cwd=d))
+    assert code == 0 and code_first == 0, err + err_first
     code, second, err = run("train.py", f"--out_dir=out-{arch}-halves", "--max_iters=8", "--init_from=resume", *args,
                             cwd=d)
     assert code == 0, err
