@@ -191,20 +191,24 @@ class Mask(NamedTuple):
 
 # "auto" takes the Triton kernel only where it was measured faster than SDPA (README, "The
 # attention kernel"; an H100): for masks that SDPA takes as a dense bias, in models of this context
-# or longer. Plain causal attention runs faster in SDPA's own fused kernels (cuDNN's on an H100).
+# or longer, over whole sequences of queries. Plain causal attention runs faster in SDPA's own fused
+# kernels (cuDNN's on an H100), and so does a decode step (0.020 against 0.141 ms for one query):
+# the kernel gives each head one program per block of 64-128 queries, so a few queries leave the
+# GPU idle.
 KERNEL_MIN_CONTEXT = 4096
+KERNEL_MIN_QUERIES = 64
 
 
-def attn_impl(config, device, training, mask=Mask()):
-    """The attention path for this mask: what the config asks for; or for "auto", the Triton kernel
-    on a CUDA GPU of compute capability 8.0 (Ampere) or later where SDPA has no fused kernel for the
-    mask (ALiBi, windows, padding, queries after a KV cache), the context is at least
-    KERNEL_MIN_CONTEXT and the kernel applies (no relative bias, no attention dropout, heads of at
-    most 128); else torch's SDPA."""
+def attn_impl(config, device, training, mask, Tq):
+    """The attention path for Tq queries under this mask: what the config asks for; or for "auto",
+    the Triton kernel on a CUDA GPU of compute capability 8.0 (Ampere) or later where SDPA has no
+    fused kernel for the mask (ALiBi, windows, padding, queries after a KV cache), the context is at
+    least KERNEL_MIN_CONTEXT, there are at least KERNEL_MIN_QUERIES queries and the kernel applies
+    (no relative bias, no attention dropout, heads of at most 128); else torch's SDPA."""
     if config.attn_impl != "auto":
         return config.attn_impl
     plain = mask.bias is None and not mask.window and mask.alibi is None and mask.valid is None
-    faster = not plain and config.block_size >= KERNEL_MIN_CONTEXT
+    faster = not plain and config.block_size >= KERNEL_MIN_CONTEXT and Tq >= KERNEL_MIN_QUERIES
     applies = (config.pos != "relative" and not (training and config.dropout)
                and config.head_size <= kernels.MAX_HEAD_SIZE)
     on_gpu = device.type == "cuda" and kernels.available and faster and applies
@@ -321,7 +325,7 @@ class Attention(nn.Module):
             if self.kv_cache is not None:
                 k, v = self.kv_cache(k, v)
         dropout = self.config.dropout if self.training else 0.0
-        y, att = attention(q, k, v, mask, attn_impl(self.config, x.device, self.training, mask), dropout)
+        y, att = attention(q, k, v, mask, attn_impl(self.config, x.device, self.training, mask, T), dropout)
         if att is not None:
             self.att = att.detach()
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size)  # heads side by side
@@ -466,13 +470,13 @@ class Stack(nn.Module):
         # it, prompt and output alike, a model with relative positions is a sliding-window model
         # (absolute ones recompute their context instead, see generate_tokens)
         window = c.window if self.cache_valid is None else min(c.window or c.block_size, c.block_size)
+        T = x.size(1)
         # the kernel masks block by block; SDPA and the math path take one dense bias
         mask = self.mask(window, valid)
-        if attn_impl(c, x.device, self.training, mask) != "triton":
-            T = x.size(1)
+        if attn_impl(c, x.device, self.training, mask, T) != "triton":
             mask = Mask(self.causal, bias=self.attn_bias(T, T if valid is None else valid.size(1), valid, window, x.device))
         memory_mask = Mask(valid=memory_valid)
-        if attn_impl(c, x.device, self.training, memory_mask) != "triton":
+        if attn_impl(c, x.device, self.training, memory_mask, T) != "triton":
             memory_mask = Mask(bias=None if memory_valid is None else padding_bias(memory_valid))
         cos_sin = rope(pos, c.head_size, c.rope_theta, c.rope_scaling) if c.pos == "rope" else None
         for block in self.h:

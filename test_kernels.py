@@ -376,15 +376,17 @@ def test_under_autocast_the_kernel_decodes_speculatively_and_with_int8_weights()
 
 @needs_triton
 def test_auto_on_a_gpu_mixes_the_kernel_and_sdpa_per_mask_and_computes_what_the_math_path_does(monkeypatch):
-    # an encoder-decoder with a padded source, as "auto" runs it on a GPU (here the CPU stands in):
-    # the padded masks go to the kernel, the decoder's plain causal self-attention to SDPA
+    # an encoder-decoder with a padded source, as "auto" runs it on a GPU (here the CPU stands in,
+    # and 8 queries count as many): the padded masks go to the kernel, the decoder's plain causal
+    # self-attention and every one-query decode step to SDPA
     import model
     chosen, pick = [], model.attn_impl
-    def on_gpu(config, device, training, mask=Mask()):
-        chosen.append(pick(config, torch.device("cuda"), training, mask))
-        return chosen[-1]
+    def on_gpu(config, device, training, mask, Tq):
+        chosen.append((pick(config, torch.device("cuda"), training, mask, Tq), Tq))
+        return chosen[-1][0]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(model, "attn_impl", on_gpu)
+    monkeypatch.setattr(model, "KERNEL_MIN_QUERIES", 8)
     kw = dict(arch="encoder-decoder", pos="sinusoidal", n_kv_head=2, block_size=4096)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 40, (2, 12), generator=g).to(DEVICE)
@@ -398,7 +400,9 @@ def test_auto_on_a_gpu_mixes_the_kernel_and_sdpa_per_mask_and_computes_what_the_
         loss.backward()
         out = net.eval().generate(idx[:, :1], 2, temperature=0, src=src, src_mask=valid)  # a prefill, a cached step
         results.append((logits, [p.grad for p in net.parameters()], out))
-    assert "triton" in chosen and "sdpa" in chosen
+        if impl == "auto":
+            assert {c for c, Tq in chosen if Tq > 1} == {"triton", "sdpa"}
+            assert {c for c, Tq in chosen if Tq == 1} == {"sdpa"}
     (a, grads_a, out_a), (b, grads_b, out_b) = results
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     for x, y in zip(grads_a, grads_b):
@@ -408,8 +412,8 @@ def test_auto_on_a_gpu_mixes_the_kernel_and_sdpa_per_mask_and_computes_what_the_
 
 def test_auto_takes_the_kernel_on_cuda_only_where_it_applies(monkeypatch):
     window, alibi, padded = Mask(True, window=8), Mask(True, alibi=torch.ones(4)), Mask(valid=torch.ones(1, 8) > 0)
-    def pick(device, training=False, mask=window, block_size=4096, **kw):
-        return attn_impl(ModelConfig(block_size=block_size, **kw), torch.device(device), training, mask)
+    def pick(device, training=False, mask=window, block_size=4096, Tq=4096, **kw):
+        return attn_impl(ModelConfig(block_size=block_size, **kw), torch.device(device), training, mask, Tq)
     capability = [(9, 0)]  # an H100's, asked of the (possibly absent) GPU
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     kernel = "triton" if kernels.available else "sdpa"
@@ -419,6 +423,9 @@ def test_auto_takes_the_kernel_on_cuda_only_where_it_applies(monkeypatch):
     assert pick("cuda", mask=Mask(True), attn_impl="triton") == "triton"
     # at 1024 positions SDPA with a dense bias was faster too; at 4096 the kernel was
     assert pick("cuda", block_size=2048) == "sdpa" and pick("cuda", block_size=2048, attn_impl="triton") == "triton"
+    # a decode step (one query) or a few queries: SDPA, whatever the mask; the kernel from one block of queries
+    assert pick("cuda", Tq=1) == pick("cuda", Tq=63, mask=alibi) == "sdpa" and pick("cuda", Tq=64) == kernel
+    assert pick("cuda", Tq=1, attn_impl="triton") == "triton"
     assert pick("cuda", pos="relative") == "sdpa"  # no T5 bias in the kernel
     assert pick("cuda", training=True, dropout=0.1) == "sdpa" and pick("cuda", dropout=0.1) == kernel
     assert pick("cuda", n_embd=512, n_head=4) == kernel and pick("cuda", n_embd=1024, n_head=4) == "sdpa"  # hs 256
