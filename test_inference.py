@@ -68,7 +68,7 @@ def test_the_decode_step_compiles_into_one_graph_and_matches_eager(kw):
 # Batched prompts
 
 @pytest.mark.parametrize("kw", [dict(pos="rope"), dict(pos="learned", block_size=12), dict(pos="alibi", n_kv_head=2),
-                                dict(pos="relative", window=4), dict(pos="sinusoidal")],
+                                dict(pos="relative", window=4), dict(pos="sinusoidal"), dict(pos="none")],
                          ids=lambda kw: "-".join(map(str, kw.values())))
 def test_each_row_of_a_left_padded_batch_decodes_as_its_prompt_alone(kw):
     model = sharp(0, **kw)
