@@ -360,6 +360,22 @@ def test_cached_generation_on_the_kernel_equals_the_math_path(kw):
 
 
 @needs_triton
+@pytest.mark.parametrize("pos", ["rope", "alibi"])
+def test_past_block_size_the_kernel_slides_the_window_the_math_path_does(pos):
+    # relative positions: a cached model sees the last block_size keys, prompt and output alike
+    idx = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    logits = []
+    for impl in ("triton", "math"):
+        model = twin_models(impl, pos=pos, block_size=8).eval()
+        model.setup_kv_cache(2, model.cache_size(20))
+        with torch.no_grad():  # a prefill twice block_size long, then one token at a time
+            out = [model(idx[:, :16], input_pos=torch.arange(16, device=DEVICE))[0]]
+            out += [model(idx[:, t : t + 1], input_pos=torch.tensor([t], device=DEVICE))[0] for t in range(16, 20)]
+        logits.append(torch.cat(out, dim=1))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
+
+
+@needs_triton
 def test_under_autocast_the_kernel_decodes_speculatively_and_with_int8_weights():
     # autocast casts SDPA's inputs but not a custom op's: the kernel's path meets autocast's dtype
     # itself (a draft's cache, an int8 layer's output and the rest would otherwise disagree)
@@ -430,5 +446,7 @@ def test_auto_takes_the_kernel_on_cuda_only_where_it_applies(monkeypatch):
     assert pick("cuda", training=True, dropout=0.1) == "sdpa" and pick("cuda", dropout=0.1) == kernel
     assert pick("cuda", n_embd=512, n_head=4) == kernel and pick("cuda", n_embd=1024, n_head=4) == "sdpa"  # hs 256
     assert pick("cuda", attn_impl="math") == "math"
-    capability[0] = (7, 5)  # a T4: no bf16 tensor-core products for the kernel
+    capability[0] = (8, 0)  # an A100's, the first with bf16 tensor-core products
+    assert pick("cuda") == kernel
+    capability[0] = (7, 5)  # a T4: none
     assert pick("cuda") == "sdpa" and pick("cuda", attn_impl="triton") == "triton"

@@ -349,6 +349,10 @@ def test_ctrl_c_while_torch_loads_or_text_streams_out_exits_quietly(trained):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err == "", err
+    # imported (as sample.py imports train.py, and tests both), neither takes Ctrl-C over
+    code, out, err = run(sys.executable, "-c", "import signal, sample, prepare; "
+                         "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)", cwd=HERE)
+    assert code == 0 and out.strip() == "True", err
 
 
 @pytest.mark.parametrize("arch, extra", [("decoder", ["--dropout=0.1"]), ("encoder", []),

@@ -331,6 +331,7 @@ def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
 def test_mfu_counts_against_the_peak_of_the_gpus_own_variant(name, tflops, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert train.peak_flops(torch.device("cuda"), torch.bfloat16)[0] == tflops * 1e12
+    assert train.peak_flops(torch.device("cuda"), torch.float16)[0] == tflops * 1e12  # the same tensor cores
 
 
 def test_a_cpu_measures_its_peak_with_a_product_sized_to_its_dtype():
