@@ -386,11 +386,12 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
     tokens = cfg.gradient_accumulation_steps * cfg.batch_size * model.config.block_size
     stack = model.decoder if model.decoder is not None else model.encoder
     mask = stack.mask(model.config.window)  # training batches have no padding
+    used = attn_impl(model.config, device, True, mask, model.config.block_size)
     median = {name: sorted(ts, key=sum)[rounds // 2] for name, ts in times.items()}
     base = sum(median["nanoGPT's recipe"])
     lines = [f"bench: {rounds} rounds of {iters} iterations after {warmup} of warm-up, {tokens:,} tokens per "
              f"iteration, {device} {str(dtype).replace('torch.', '')}{', compiled' if cfg.compile else ''}; "
-             f"attention: {attn_impl(model.config, device, True, mask, model.config.block_size)} in train.py, sdpa in nanoGPT's recipe",
+             f"attention: {used} in train.py, sdpa in nanoGPT's recipe",
              f"{'':18} {'ms/iter':>8} {'fwd+bwd':>8} {'update':>7} {'tokens/s':>9} {'MFU':>6} {'speed-up':>9}"
              f"  each round (ms/iter)"]
     for name, (fb, up) in median.items():
