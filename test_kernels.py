@@ -426,6 +426,17 @@ def test_auto_on_a_gpu_mixes_the_kernel_and_sdpa_per_mask_and_computes_what_the_
     assert torch.equal(out_a, out_b)
 
 
+def test_train_bench_names_the_attention_a_training_batch_takes_as_auto_would_on_a_gpu(monkeypatch):
+    import train
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    kernel = "triton" if kernels.available else "sdpa"
+    def used(**kw):
+        cfg = dict(vocab_size=40, block_size=4096, n_layer=1, n_head=2, n_embd=16, pos="alibi") | kw
+        return train.training_attention(Transformer(ModelConfig(**cfg)), torch.device("cuda"))
+    assert used() == used(pos="rope", window=8) == used(arch="encoder", pos="rope", window=8) == kernel
+    assert used(pos="rope") == used(dropout=0.1) == used(block_size=2048) == "sdpa"  # dropout: when training
+
+
 def test_auto_takes_the_kernel_on_cuda_only_where_it_applies(monkeypatch):
     window, alibi, padded = Mask(True, window=8), Mask(True, alibi=torch.ones(4)), Mask(valid=torch.ones(1, 8) > 0)
     def pick(device, training=False, mask=window, block_size=4096, Tq=4096, **kw):

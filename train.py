@@ -339,6 +339,13 @@ def timed(fn, device):
     return out, time.perf_counter() - t0
 
 
+def training_attention(model, device):
+    """The attention path ("triton", "sdpa" or "math") that model's training batches take on device:
+    whole sequences of block_size tokens, no padding."""
+    stack = model.decoder if model.decoder is not None else model.encoder
+    return attn_impl(model.config, device, True, stack.mask(model.config.window), model.config.block_size)
+
+
 def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5, iters=20, warmup=10):
     """Time train.py's iteration, ours = (forward_backward(it), update()) on model, against
     nanoGPT's recipe on a copy of the model: attention through SDPA, AdamW fused only on CUDA,
@@ -384,9 +391,7 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
             if device.type == "cuda":
                 memory[name] = max(memory[name], torch.cuda.max_memory_allocated(device) - resident)
     tokens = cfg.gradient_accumulation_steps * cfg.batch_size * model.config.block_size
-    stack = model.decoder if model.decoder is not None else model.encoder
-    mask = stack.mask(model.config.window)  # training batches have no padding
-    used = attn_impl(model.config, device, True, mask, model.config.block_size)
+    used = training_attention(model, device)
     median = {name: sorted(ts, key=sum)[rounds // 2] for name, ts in times.items()}
     base = sum(median["nanoGPT's recipe"])
     lines = [f"bench: {rounds} rounds of {iters} iterations after {warmup} of warm-up, {tokens:,} tokens per "
