@@ -349,6 +349,16 @@ def test_ctrl_c_while_torch_loads_or_text_streams_out_exits_quietly(trained):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err == "", err
+    # prepare.py while numpy loads (about 0.1 s): stopped after numpy's first module, before its last
+    cmd = [sys.executable, "-X", "importtime", os.path.join(HERE, "prepare.py"), "shakespeare_char",
+           "--data_dir", str(d / "data-early")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=d)
+    for line in p.stderr:
+        if "| " in line and line.split("| ")[-1].strip().startswith("numpy."):
+            break
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err and not (d / "data-early").exists(), err
     # imported (as sample.py imports train.py, and tests both), neither takes Ctrl-C over
     code, out, err = run(sys.executable, "-c", "import signal, sample, prepare; "
                          "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)", cwd=HERE)
