@@ -330,6 +330,30 @@ def test_sigint_or_sigterm_saves_a_checkpoint_and_exits_cleanly(workdir, sig):  
     assert code == 0 and len(losses(log)) == 3, err
 
 
+def test_ctrl_c_cuts_a_long_evaluation_short_and_the_resumed_run_evaluates_again(workdir):  # noqa: F811
+    d, _ = workdir
+    args = ["--dataset=verse", "--out_dir=out-long-eval", *TINY, "--eval_interval=5"]
+    code, _, err = run("train.py", *args, "--max_iters=5", cwd=d)  # evaluates 0 and 5, saves 5
+    assert code == 0, err
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), *args, "--max_iters=10", "--init_from=resume",
+           "--eval_iters=1000000"]  # an evaluation of minutes at iteration 10
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=d,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in p.stdout:
+            if line.startswith("iter 10:"):  # the last log line before that evaluation
+                break
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert "stopped by SIGINT at iteration 10" in out and "step 10:" not in out
+    assert torch.load(d / "out-long-eval" / "ckpt.pt", weights_only=False)["iter_num"] == 10
+    code, log, err = run("train.py", *args, "--max_iters=10", "--init_from=resume", cwd=d)
+    assert code == 0 and re.findall(r"step (\d+):", log) == ["10"] and losses(log) == [], err
+
+
 def test_ctrl_c_while_torch_loads_or_text_streams_out_exits_quietly(trained):
     d = trained
     # -X importtime prints a line as each module finishes loading: numpy's comes just before torch's

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -324,6 +325,33 @@ def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     assert lrs[:10] == pytest.approx([(i + 1) / 11 for i in range(10)])
     assert lrs[10] == pytest.approx(1.0) and lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[10:111], lrs[11:112])) and lrs[150] == 0.1
+
+
+def test_each_log_line_times_the_iterations_since_the_last_line_or_eval(workdir, monkeypatch, capsys):
+    d, _ = workdir
+    monkeypatch.chdir(d)
+    clock = [0.0]  # a clock that only an update moves, by one second
+    real_step = train.optimizer_step
+
+    def step(*args):
+        real_step(*args)
+        clock[0] += 1.0
+    monkeypatch.setattr(train, "optimizer_step", step)
+    monkeypatch.setattr(train, "time", SimpleNamespace(time=lambda: clock[0], perf_counter=time.perf_counter,
+                                                       strftime=time.strftime, gmtime=time.gmtime))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # train.main sets its own
+    args = ["--dataset=verse", "--out_dir=out-clock", *TINY, "--log_interval=4", "--eval_interval=3"]
+    try:  # evals at 0, 3 and 6; a resume from 6, then evals at 9 and 12: each log line follows fewer
+        # than log_interval iterations since the last eval or the resume
+        assert train.main([*args, "--max_iters=6"]) == 0
+        assert train.main([*args, "--max_iters=13", "--init_from=resume"]) == 0
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    log = capsys.readouterr().out
+    timed = re.findall(r"iter (\d+): loss [\d.]+, lr \S+ ([\d.]+) ms/iter, ([\d,]+) tokens/s", log)
+    assert timed == [("4", "1000.0", "64"), ("8", "1000.0", "64"), ("12", "1000.0", "64")]  # 4 x 16 tokens per second
+    assert re.findall(r"step (\d+):", log) == ["0", "3", "6", "9", "12"]  # the resume does not evaluate 6 again
 
 
 @pytest.mark.parametrize("name, tflops", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),

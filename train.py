@@ -599,6 +599,7 @@ def main(argv):
     optimizer = configure_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num, best_val_loss = 0, float("inf")
+    evaluated_at = None  # the last iteration whose evaluation ran to the end
     if ckpt is not None:
         if any(".attn.c_q." in k for k in ckpt["model"]):  # written before c_attn: see model.join_q_kv
             join_q_kv_moments(ckpt["optimizer"], optimizer, model)
@@ -607,6 +608,7 @@ def main(argv):
         if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
             scaler.load_state_dict(ckpt["scaler"])
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        evaluated_at = ckpt.get("evaluated_at", iter_num)  # absent from older checkpoints
         if len(ckpt["rng"]) == world:  # each rank carries on with its own dropout stream
             set_rng_state(ckpt["rng"][rank], device)
         del ckpt
@@ -636,15 +638,27 @@ def main(argv):
             dist.all_reduce(x, op=op)
         return x
 
+    stop = []  # the signals received: see on_signal below
+
+    def stopping():
+        """Whether a signal asks the run to stop. Under DDP all ranks stop together: they agree each
+        time they ask, a wait for the device that one process does without."""
+        if ddp:
+            return all_ranks(torch.tensor(float(bool(stop)), device=device), dist.ReduceOp.MAX).item() > 0
+        return bool(stop)
+
     @torch.no_grad()
     def evaluate():
         """Mean loss over eval_iters batches per split and rank (the same batches at every eval),
-        averaged over the ranks."""
+        averaged over the ranks; None if a signal cuts it short."""
         model.eval()
         out = {}
         for split in ("train", "val"):
             losses = torch.zeros(cfg.eval_iters, device=device)
             for k in range(cfg.eval_iters):
+                if stopping():  # a long evaluation gives way to Ctrl-C; the resumed run does it again
+                    model.train()
+                    return None
                 with autocast:
                     losses[k] = model(**batch(split, batch_rng(cfg.seed, split == "val", rank, k)))[1]
             out[split] = all_ranks(losses.mean()).item() / world
@@ -663,7 +677,8 @@ def main(argv):
         if master:
             save_atomic(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
                              model_config=asdict(model_config), train_config=asdict(cfg), iter_num=iter_num,
-                             best_val_loss=best_val_loss, rng=states, tokens=tokens, meta=meta), path)
+                             best_val_loss=best_val_loss, evaluated_at=evaluated_at, rng=states, tokens=tokens,
+                             meta=meta), path)
         return True
 
     def forward_backward(it):
@@ -688,28 +703,29 @@ def main(argv):
         log(report)
         return 0
 
-    # SIGINT (Ctrl-C) or SIGTERM (a scheduler, torchrun) ends the run at the next iteration with a
-    # checkpoint; a second Ctrl-C stops at once
-    stop = []
+    # SIGINT (Ctrl-C) or SIGTERM (a scheduler, torchrun) ends the run at the next iteration (or
+    # within an evaluation) with a checkpoint; a second Ctrl-C stops at once
     def on_signal(signum, frame):
         stop.append(signum)
         signal.signal(signum, signal.SIG_DFL)
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, on_signal)
 
-    start_iter = iter_num
     saved_at = iter_num if cfg.init_from == "resume" else None  # what ckpt.pt holds
 
     def kept():
         return "no checkpoint was written" if saved_at is None else f"{ckpt_path} keeps iteration {saved_at}"
     bad_steps = skipped = 0
-    t0 = t_start = time.time()
+    t_start = time.time()
+    t0, t0_iter = t_start, iter_num  # the start of the timing that the next log line reports
     while True:
         lr = learning_rate(iter_num, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if iter_num % cfg.eval_interval == 0 and (iter_num > start_iter or iter_num == 0 or cfg.eval_only):
-            losses = evaluate()
+        due = iter_num % cfg.eval_interval == 0 and (iter_num != evaluated_at or cfg.eval_only)
+        losses = evaluate() if due else None  # None also when a signal cut it short
+        if losses is not None:
+            evaluated_at = iter_num
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
                 f"({time.time() - START:.1f} s since start)")
             if not math.isfinite(losses["val"]):
@@ -720,10 +736,8 @@ def main(argv):
                     save(os.path.join(cfg.out_dir, "best.pt"))
                 if cfg.always_save_checkpoint and save(ckpt_path):
                     saved_at = iter_num
-            t0 = time.time()  # evaluation is not training time
-        # under DDP all ranks stop together: they agree at every iteration, a wait for the device
-        # that one process does without
-        if all_ranks(torch.tensor(float(bool(stop)), device=device), dist.ReduceOp.MAX).item() if ddp else stop:
+            t0, t0_iter = time.time(), iter_num  # evaluation is not training time
+        if stopping():
             if writes and iter_num != saved_at and save(ckpt_path):
                 saved_at = iter_num
             name = signal.Signals(stop[0]).name if stop else "a signal to another rank"
@@ -751,8 +765,8 @@ def main(argv):
 
         if iter_num % cfg.log_interval == 0 and master:
             sync(device)
-            dt = (time.time() - t0) / cfg.log_interval
-            t0 = time.time()
+            dt = (time.time() - t0) / (iter_num - t0_iter)  # fewer than log_interval after a resume or an eval
+            t0, t0_iter = time.time(), iter_num
             left = (cfg.max_iters - iter_num) * dt
             log(f"iter {iter_num}: loss {step_loss.item():.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
                 f"{tokens_per_iter / dt:,.0f} tokens/s, mfu {flops_per_iter / dt / peak:.1%}, "
