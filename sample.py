@@ -25,9 +25,11 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
-# Ctrl-C while torch loads or the text streams out ends sampling quietly: status 130, no traceback
+# Ctrl-C while torch loads or the text streams out ends sampling quietly: status 130, no traceback;
+# so does a reader that stops early (`| head`), as for any Unix tool (status 141, SIGPIPE)
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 import numpy as np
 import torch
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from model import Int8Linear, ModelConfig, Transformer, quantize_int8, sample, speculative_generate
 from prepare import PrepareError, Tokenizer
 from train import (TrainConfig, UsageError, batch_rng, get_batch, load_checkpoint, parse_settings, pick_device,
-                   pick_dtype, timed)
+                   pick_dtype, timed, usage)
 
 MASK = "[MASK]"
 
@@ -126,6 +128,9 @@ def load(out_dir, which, device, dtype=torch.float32, quantize=""):
 
 def main(argv):
     known = {f.name: ("sample", f.type) for f in fields(SampleConfig)}
+    if {"-h", "--help"} & set(argv):
+        print(usage(__doc__, (SampleConfig,), known))
+        return 0
     cfg = SampleConfig(**parse_settings(argv, known, "SampleConfig in sample.py"))
     check(cfg)
     device = pick_device(cfg.device)

@@ -354,6 +354,15 @@ def test_ctrl_c_cuts_a_long_evaluation_short_and_the_resumed_run_evaluates_again
     assert code == 0 and re.findall(r"step (\d+):", log) == ["10"] and losses(log) == [], err
 
 
+def test_a_reader_that_stops_early_ends_sample_py_quietly(trained):
+    cmd = [sys.executable, os.path.join(HERE, "sample.py"), "--out_dir=out-ok", "--max_new_tokens=1000000"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=trained)
+    assert p.stdout.read(20)  # as `python sample.py ... | head`
+    p.stdout.close()
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGPIPE and err == "", err  # as `yes | head` ends `yes`
+
+
 def test_ctrl_c_while_torch_loads_or_text_streams_out_exits_quietly(trained):
     d = trained
     # -X importtime prints a line as each module finishes loading: numpy's comes just before torch's

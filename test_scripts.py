@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import prepare
+import sample
 import train
 from model import ModelConfig, Transformer
 
@@ -383,6 +385,19 @@ def test_settings_suggest_the_closest_key_and_check_types():
         train.parse_settings(["--n_layer=four"])
     given = train.parse_settings(["--n_kv_head=None", "--pos=rope", "--min_lr=0", "--compile=True"])
     assert given == dict(n_kv_head=None, pos="rope", min_lr=0.0, compile=True)
+
+
+@pytest.mark.parametrize("script, flag", [("train", "--help"), ("sample", "-h")])
+def test_help_lists_every_setting_with_its_default_and_comment(script, flag, capsys):
+    module, classes = (train, (train.TrainConfig, ModelConfig)) if script == "train" else (sample, (sample.SampleConfig,))
+    assert module.main([flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(module.__doc__.strip()[:40])
+    settings = re.findall(r"^    (\w+): ", out, re.M)
+    expected = [f.name for c in classes for f in fields(c) if f.name != "vocab_size"]  # vocab_size: from the data
+    assert settings == expected
+    assert ('    n_kv_head: int | None = None  # key/value heads' if script == "train" else
+            '    temperature: float = 0.8  # 0 = greedy') in out
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -19,6 +19,7 @@ START = time.time()  # the run's wall clock counts from here, torch's import inc
 import ast
 import difflib
 import gc
+import inspect
 import json
 import math
 import os
@@ -32,9 +33,11 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import get_args
 
 # Ctrl-C while torch loads (seconds) or the run is set up ends it quietly: status 130, no traceback.
-# The training loop then takes over SIGINT to save a checkpoint first.
+# The training loop then takes over SIGINT to save a checkpoint first. A reader that stops early
+# (`| head`) ends the run as it ends any Unix tool, without a traceback.
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 import numpy as np
 import torch
@@ -147,6 +150,16 @@ def parse_settings(argv, known=None, where=None):
                 value = text  # a plain string, such as --pos=rope
             given[key] = check_value(key, value, known, where)
     return given
+
+
+def usage(doc, classes, known):
+    """--help: the script's docstring, then each setting as its class declares it (type, default and
+    comment), read from the source so that it never goes stale."""
+    lines = [doc.strip(), "", "Settings (--key=value, or key = value in a config file):"]
+    for cls in classes:
+        lines += [line for line in inspect.getsource(cls).splitlines()
+                  if (m := re.match(r"    (\w+): ", line)) and m[1] in known]
+    return "\n".join(lines)
 
 
 def check_ranges(cfg):
@@ -504,8 +517,11 @@ def pick_dtype(name, device):
 
 
 def main(argv):
-    given = parse_settings(argv)
     known = settings_types()
+    if {"-h", "--help"} & set(argv):
+        print(usage(__doc__, (TrainConfig, ModelConfig), known))
+        return 0
+    given = parse_settings(argv, known)
     cfg = TrainConfig(**{k: v for k, v in given.items() if known[k][0] == "train"})
     check_ranges(cfg)
     model_args = {k: v for k, v in given.items() if known[k][0] == "model"}
