@@ -186,7 +186,8 @@ def read_prompt(start):
         return start
     path = start[5:]
     if not os.path.isfile(path):
-        raise UsageError(f"prompt file {path!r} not found: check the path after FILE:")
+        what = "is a folder, not a file" if os.path.isdir(path) else "not found"
+        raise UsageError(f"prompt file {path!r} {what}: check the path after FILE:")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()

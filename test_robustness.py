@@ -247,6 +247,14 @@ def test_sample_rejects_bad_input_in_one_line(trained):
                    "try --ckpt=latest")
 
 
+def test_a_prompt_path_that_is_a_folder_is_named_as_one(tmp_path):
+    import sample
+    with pytest.raises(train.UsageError, match="prompt file '.*' is a folder, not a file: check the path after FILE:"):
+        sample.read_prompt(f"FILE:{tmp_path}")
+    with pytest.raises(train.UsageError, match="prompt file '.*nope.txt' not found"):
+        sample.read_prompt(f"FILE:{tmp_path / 'nope.txt'}")
+
+
 def test_sample_refuses_spans_an_encoder_decoder_cannot_fill(workdir):  # noqa: F811
     d, _ = workdir
     code, _, err = run("train.py", "--dataset=verse", "--out_dir=out-t5", "--arch=encoder-decoder", "--pos=learned",
