@@ -86,8 +86,8 @@ def check(cfg):
     for key in ("num_samples", "attention_tokens"):
         if getattr(cfg, key) < 1:
             raise UsageError(f"{key}={getattr(cfg, key)} must be at least 1")
-    if cfg.seed < 0:
-        raise UsageError(f"seed={cfg.seed} must be at least 0")
+    if not 0 <= cfg.seed < 2**63:
+        raise UsageError(f"seed={cfg.seed} must lie in [0, 2**63)")
     if cfg.attention and (os.path.isdir(cfg.attention) or not os.path.isdir(os.path.dirname(cfg.attention) or ".")):
         raise UsageError(f"--attention={cfg.attention} is not a file in an existing folder: "
                          "give a path such as attn.html")  # found out now, not after sampling

@@ -71,6 +71,7 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F81
         (("--gradient_accumulation_steps=-2",), ["gradient_accumulation_steps=-2 must be at least 1"]),
         (("--grad_clip=-1",), ["grad_clip=-1.0 must be at least 0"]),
         (("--beta1=2",), [r"beta1=2.0 must lie in [0, 1)"]),
+        (("--seed=99999999999999999999",), ["seed=99999999999999999999 must lie in [0, 2**63)"]),
         (("--backend=mpi",), ["backend='mpi' is not known"]),
         (("--head_size=-4",), ["head_size=-4 must be a positive integer"]),
         ((*t5, "--block_size=1"), ["span corruption hides part of each sequence: block_size=1"]),
@@ -108,6 +109,28 @@ def test_a_new_run_never_overwrites_checkpoints_and_eval_only_writes_nothing(tra
     for code, out, err in evals:
         assert code == 0 and "val loss" in out, err
     assert {f: (d / "out-ok" / f).read_bytes() for f in before} == before
+
+
+def test_a_second_run_is_refused_while_another_writes_the_same_out_dir(workdir):  # noqa: F811
+    d, _ = workdir
+    args = ["--dataset=verse", "--out_dir=out-busy", *TINY, "--eval_interval=2", "--max_iters=1000000"]
+    first = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=d)
+    for line in first.stdout:  # wait until it has saved a checkpoint and trains on
+        if line.startswith("iter 3:"):
+            break
+    stray = d / "out-busy" / "ckpt.pt.tmp.999999999"  # stands for the file of a save in progress
+    stray.write_bytes(b"half a checkpoint")
+    for extra in (["--max_iters=10"], ["--init_from=resume", "--max_iters=10"]):
+        one_line_error(run("train.py", *args, *extra, cwd=d),
+                       f"out_dir 'out-busy' is in use by another train.py (process {first.pid})",
+                       "choose another --out_dir")
+        assert stray.exists()  # nothing of the running one was touched
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130, err
+    code, out, err = run("train.py", *args, "--init_from=resume", "--max_iters=1", cwd=d)  # the lock went with it
+    assert code == 0 and not stray.exists(), err
 
 
 def test_train_rejects_broken_or_mismatched_checkpoints(trained):
@@ -233,6 +256,7 @@ def test_sample_rejects_bad_input_in_one_line(trained):
              ("--start=FILE:missing.txt", "prompt file 'missing.txt' not found"),
              ("--start=FILE:latin1.txt", "prompt file 'latin1.txt' is not UTF-8 text"),
              ("--num_samples=0", "num_samples=0 must be at least 1"),
+             ("--seed=99999999999999999999", "seed=99999999999999999999 must lie in [0, 2**63)"),
              ("--out_dir=out-nothing", "no checkpoint at out-nothing/ckpt.pt")]
     for path in (".", "no/such/folder/attn.html"):  # refused before sampling, not after
         cases.append((f"--attention={path}", f"--attention={path} is not a file in an existing folder"))

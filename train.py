@@ -18,6 +18,7 @@ START = time.time()  # the run's wall clock counts from here, torch's import inc
 
 import ast
 import difflib
+import fcntl
 import gc
 import inspect
 import json
@@ -28,7 +29,7 @@ import resource
 import signal
 import sys
 import types
-from contextlib import nullcontext, suppress
+from contextlib import ExitStack, nullcontext, suppress
 from dataclasses import asdict, dataclass, fields, replace
 from typing import get_args
 
@@ -166,11 +167,12 @@ def check_ranges(cfg):
     """Values of the right type that training still cannot use, refused in one line."""
     at_least = dict(batch_size=1, gradient_accumulation_steps=1, eval_interval=1, eval_iters=1, log_interval=1,
                     max_bad_steps=1, max_iters=0, warmup_iters=0, lr_decay_iters=0, learning_rate=0, min_lr=0,
-                    weight_decay=0, grad_clip=0, mean_span=1, seed=0)  # grad_clip=0: no clipping
+                    weight_decay=0, grad_clip=0, mean_span=1)  # grad_clip=0: no clipping
     for key, low in at_least.items():
         if getattr(cfg, key) < low:
             raise UsageError(f"{key}={getattr(cfg, key)} must be at least {low}")
-    for key, ok, span in [("beta1", 0 <= cfg.beta1 < 1, "[0, 1)"), ("beta2", 0 <= cfg.beta2 < 1, "[0, 1)"),
+    for key, ok, span in [("seed", 0 <= cfg.seed < 2**63, "[0, 2**63)"),
+                          ("beta1", 0 <= cfg.beta1 < 1, "[0, 1)"), ("beta2", 0 <= cfg.beta2 < 1, "[0, 1)"),
                           ("mask_prob", 0 < cfg.mask_prob <= 1, "(0, 1]"),
                           ("noise_density", 0 < cfg.noise_density < 1, "(0, 1)")]:
         if not ok:
@@ -321,7 +323,7 @@ def peak_flops(device, dtype):
         if tflops := spec_tflops(name):
             return tflops * 1e12, f"{name} {tflops} TFLOP/s (spec sheet)"
     # large enough to reach a GPU's peak; on a CPU without half-precision matmul instructions a
-    # 1024^3 product in bf16/fp16 takes seconds (about 1 GFLOP/s), and 256^3 measures the same rate
+    # 1024^3 product in bf16/fp16 can take seconds (about 1 GFLOP/s), and 256^3 measures the same rate
     n = 8192 if device.type == "cuda" else 1024 if dtype == torch.float32 else 256
     # random numbers (all ones would draw less power, and a GPU can clock higher), from a generator
     # of its own: the global RNG state is the run's
@@ -517,6 +519,11 @@ def pick_dtype(name, device):
 
 
 def main(argv):
+    with ExitStack() as held:  # what the run holds until it ends, however it ends: its lock on out_dir
+        return run(argv, held)
+
+
+def run(argv, held):
     known = settings_types()
     if {"-h", "--help"} & set(argv):
         print(usage(__doc__, (TrainConfig, ModelConfig), known))
@@ -547,13 +554,13 @@ def main(argv):
         torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
     writes = not (cfg.bench or cfg.eval_only)  # --eval_only looks at a run and writes nothing
-    if writes and cfg.init_from == "scratch":
-        held = [p for p in (os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt")) if os.path.exists(p)]
-        if held:
-            raise UsageError(f"{held[0]} holds a run that a new one would overwrite: continue it with "
-                             "--init_from=resume, or choose another --out_dir (or delete it)")
     if master and writes:  # find out now, not at the first checkpoint hours later
-        prepare_out_dir(cfg.out_dir)
+        held.enter_context(prepare_out_dir(cfg.out_dir))
+    if writes and cfg.init_from == "scratch":
+        existing = [p for p in (os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt")) if os.path.exists(p)]
+        if existing:
+            raise UsageError(f"{existing[0]} holds a run that a new one would overwrite: continue it with "
+                             "--init_from=resume, or choose another --out_dir (or delete it)")
 
     # data
     data_path = os.path.join(cfg.data_dir, cfg.dataset)
@@ -800,7 +807,10 @@ def main(argv):
 
 
 def prepare_out_dir(path):
-    """Make out_dir, check that it takes files, and remove temporary files of a killed save."""
+    """Make out_dir, check that it takes files, lock it, and remove temporary files of a killed save.
+    Returns the lock: out_dir/.lock, open and flock-ed. A second train.py writing there would
+    overwrite this run's checkpoints or remove the one it is writing, so it is refused while the
+    lock is held; the kernel releases it when the file is closed or the process ends, however."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test.{os.getpid()}")
@@ -809,9 +819,22 @@ def prepare_out_dir(path):
         os.remove(probe)
     except OSError as e:
         raise UsageError(f"out_dir {path!r} is not writable ({e.strerror}): choose another --out_dir") from None
+    lock = open(os.path.join(path, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise UsageError(f"out_dir {path!r} is in use by another train.py (process {holder}): wait for it to "
+                         "end, or choose another --out_dir") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
     for name in os.listdir(path):
         if ".pt.tmp." in name:
             os.remove(os.path.join(path, name))
+    return lock
 
 
 def configure_optimizer(model, cfg, fused):
