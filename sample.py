@@ -119,7 +119,10 @@ def load(out_dir, which, device, dtype=torch.float32, quantize=""):
     other = "latest" if which == "best" else "best"
     # read into host memory: on the device, the optimizer's state would stay beside the model
     ckpt = load_checkpoint(path[which], "cpu", f"try --ckpt={other}" if os.path.exists(path[other]) else None)
-    model = Transformer(ModelConfig(**ckpt["model_config"]))
+    config = ModelConfig(**ckpt["model_config"])
+    if config.attn_impl == "triton" and device.type != "cuda":  # trained through the kernel on a GPU:
+        config.attn_impl = "auto"  # the same attention, through torch's SDPA here
+    model = Transformer(config)
     model.load_state_dict(ckpt["model"])
     if quantize == "int8":
         quantize_int8(model)  # from the fp32 weights: one rounding, not two

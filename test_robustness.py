@@ -133,6 +133,26 @@ def test_a_second_run_is_refused_while_another_writes_the_same_out_dir(workdir):
     assert code == 0 and not stray.exists(), err
 
 
+def test_a_resumed_run_may_change_attn_impl_and_dropout_and_says_which_settings_changed(trained):
+    d = trained
+    shutil.copytree(d / "out-ok", d / "out-kernel")
+    for f in ("ckpt.pt", "best.pt"):  # as if trained through the Triton kernel on a GPU
+        ckpt = torch.load(d / "out-kernel" / f, weights_only=False)
+        ckpt["model_config"]["attn_impl"] = "triton"
+        torch.save(ckpt, d / "out-kernel" / f)
+    cpu = {"TRITON_INTERPRET": "0"}  # as users run it: no interpreter
+    code, out, err = run("sample.py", "--out_dir=out-kernel", "--max_new_tokens=5", cwd=d, env=cpu)
+    assert code == 0 and out.strip(), err
+    code, out, err = run("train.py", "--dataset=verse", "--out_dir=out-kernel", "--init_from=resume", *TINY,
+                         "--attn_impl=auto", "--dropout=0.1", "--max_iters=6", cwd=d, env=cpu)
+    assert code == 0, err
+    # out-ok trained with --eval_interval=2, not given here: said, with the new max_iters (not out_dir)
+    assert "training settings changed from the checkpoint's: max_iters 4 -> 6, eval_interval 2 -> 250\n" in out
+    saved = torch.load(d / "out-kernel" / "ckpt.pt", weights_only=False)
+    assert saved["iter_num"] == 6 and (saved["model_config"]["attn_impl"], saved["model_config"]["dropout"]) == (
+        "auto", 0.1)
+
+
 def test_train_rejects_broken_or_mismatched_checkpoints(trained):
     d = trained
     train = lambda out, *a: run("train.py", "--dataset=verse", f"--out_dir={out}", "--init_from=resume", *TINY, *a,

@@ -518,6 +518,9 @@ def pick_dtype(name, device):
     return names[name]
 
 
+RUN_TIME = ("attn_impl", "dropout")  # model settings that a resumed run may change
+
+
 def main(argv):
     with ExitStack() as held:  # what the run holds until it ends, however it ends: its lock on out_dir
         return run(argv, held)
@@ -587,6 +590,10 @@ def run(argv, held):
         ckpt = load_checkpoint(ckpt_path, "cpu", f"copy {best} over it to resume from the best checkpoint"
                                if os.path.exists(best) else None)
         model_config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
+        try:  # how attention runs and what it drops are the run's choice; the rest is the model's
+            model_config = replace(model_config, **{k: v for k, v in model_args.items() if k in RUN_TIME})
+        except ValueError as e:
+            raise UsageError(f"bad model settings: {e}") from None
         saved = asdict(model_config)
         clash = {k: (v, saved[k]) for k, v in model_args.items() if saved[k] != v}
         if clash:  # from the command line or the config file
@@ -596,6 +603,12 @@ def run(argv, held):
         if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab")):  # vocab: chars
             raise UsageError(f"{ckpt_path} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
                              f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with its --dataset")
+        # as in nanoGPT, training settings come from the command line and config file, not the
+        # checkpoint: say which differ, so that a resume without the run's config file is noticed
+        changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in ckpt["train_config"].items()
+                   if k not in ("init_from", "out_dir") and hasattr(cfg, k) and getattr(cfg, k) != v]
+        if changed:
+            log("resuming with training settings changed from the checkpoint's: " + ", ".join(changed))
     elif cfg.init_from == "scratch":
         try:
             arch = model_args.get("arch", ModelConfig.arch)
