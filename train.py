@@ -557,7 +557,7 @@ def run(argv, held):
         torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
     writes = not (cfg.bench or cfg.eval_only)  # --eval_only looks at a run and writes nothing
-    if master and writes:  # find out now, not at the first checkpoint hours later
+    if master and writes:  # take out_dir, and find out now that it takes files, not at the first checkpoint
         held.enter_context(prepare_out_dir(cfg.out_dir))
     if writes and cfg.init_from == "scratch":
         existing = [p for p in (os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt")) if os.path.exists(p)]
