@@ -60,6 +60,9 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F81
         (("--lerning_rate=1e-3",), ["unknown setting 'lerning_rate'", "did you mean --learning_rate?"]),
         (("--max_iters=many",), ["max_iters='many' should be int"]),
         (("configs/nope.py",), ["config file 'configs/nope.py' not found"]),
+        ((os.path.join(HERE, "configs"),), ["configs' is a folder: give a file such as configs/shakespeare_char.py"]),
+        (("--lerning_rate",), ["unknown setting 'lerning_rate'", "did you mean --learning_rate?"]),
+        (("--max_iters",), ["'--max_iters' has no value: write --max_iters=VALUE"]),
         ((str(tmp_path / "bad.py"),), ["n_embd=32 is not divisible by n_head=3"]),
         (("--dataset=poems",), ["dataset 'poems' is not prepared",
                                 "python prepare.py text --input 'your/*.txt' --name poems"]),
@@ -83,6 +86,7 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F81
     results = in_parallel(*(lambda args=args: train(*args) for args, _ in cases))
     for (args, fragments), result in zip(cases, results):
         one_line_error(result, *fragments)
+    assert not (d / "out-bad").exists()  # a run that stops before its first checkpoint leaves no out_dir
     if not torch.cuda.is_available():  # (tests run the kernel in Triton's interpreter; users do not)
         one_line_error(train("--attn_impl=triton", env={"TRITON_INTERPRET": "0"}),
                        "attn_impl='triton' runs on CUDA GPUs")
@@ -354,12 +358,38 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_whole(trained)
     d = trained
     shutil.copytree(d / "out-ok", d / "out-full")
     limit = os.path.getsize(d / "out-ok" / "ckpt.pt") // 2  # no file may grow past this: a save fails halfway
+    # the operating system's reason (here the file size limit's), not torch.save's internal message
     one_line_error(run("train.py", "--dataset=verse", "--out_dir=out-full", "--init_from=resume", *TINY,
                        "--max_iters=6", "--eval_interval=2", cwd=d, max_file_bytes=limit),
-                   "could not write", "the previous checkpoint is intact")
+                   "could not write out-full/", "(File too large); the previous checkpoint is intact")
     for f in ("ckpt.pt", "best.pt"):
         assert (d / "out-full" / f).read_bytes() == (d / "out-ok" / f).read_bytes()
     assert not glob.glob(str(d / "out-full" / "*.tmp.*"))
+
+
+def test_under_torchrun_a_full_disk_stops_every_rank_with_one_line(trained):
+    d = trained
+    shutil.copytree(d / "out-ok", d / "out-full-ddp")
+    limit = os.path.getsize(d / "out-ok" / "ckpt.pt") // 2
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    code, _, err = run(torchrun, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
+                       "--dataset=verse", "--out_dir=out-full-ddp", "--init_from=resume", *TINY, "--max_iters=6",
+                       "--eval_interval=2", "--gradient_accumulation_steps=2", cwd=d, max_file_bytes=limit)
+    # rank 0 says why; rank 1 stops with it instead of a traceback at its next collective
+    assert code != 0 and err.count("train.py: error: could not write out-full-ddp/") == 1, err
+    assert "[rank1]" not in err and "Connection closed" not in err, err
+    for f in ("ckpt.pt", "best.pt"):
+        assert (d / "out-full-ddp" / f).read_bytes() == (d / "out-ok" / f).read_bytes()
+
+
+def test_an_out_dir_with_only_best_pt_is_told_how_to_go_on(trained):
+    d = trained
+    os.makedirs(d / "out-best-only")
+    shutil.copy(d / "out-ok" / "best.pt", d / "out-best-only")
+    one_line_error(run("train.py", "--dataset=verse", "--out_dir=out-best-only", "--init_from=resume", *TINY, cwd=d),
+                   "no checkpoint at out-best-only/ckpt.pt: copy out-best-only/best.pt to out-best-only/ckpt.pt")
+    one_line_error(run("sample.py", "--out_dir=out-best-only", "--ckpt=latest", cwd=d),
+                   "no checkpoint at out-best-only/ckpt.pt: try --ckpt=best")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

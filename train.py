@@ -108,11 +108,15 @@ def settings_types():
     return known
 
 
-def check_value(key, value, known, where="TrainConfig in train.py and ModelConfig in model.py"):
+def check_name(key, known, where):
     if key not in known:
         close = difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean --{close[0]}?" if close else f"the settings are the fields of {where}"
         raise UsageError(f"unknown setting {key!r}: {hint}")
+
+
+def check_value(key, value, known, where="TrainConfig in train.py and ModelConfig in model.py"):
+    check_name(key, known, where)
     allowed = get_args(known[key][1]) or (known[key][1],)  # `int | None` -> (int, NoneType)
     if float in allowed and type(value) is int:
         value = float(value)
@@ -130,7 +134,8 @@ def parse_settings(argv, known=None, where=None):
     for arg in argv:
         if not arg.startswith("--"):
             if not os.path.isfile(arg):
-                raise UsageError(f"config file {arg!r} not found: give a path such as configs/shakespeare_char.py")
+                what = "is a folder" if os.path.isdir(arg) else "not found"
+                raise UsageError(f"config file {arg!r} {what}: give a file such as configs/shakespeare_char.py")
             scope = {}
             try:
                 exec(compile(open(arg).read(), arg, "exec"), scope)
@@ -144,6 +149,7 @@ def parse_settings(argv, known=None, where=None):
             if not eq and known.get(key, (None, None))[1] is bool:
                 eq, text = "=", "True"  # a bare --flag switches a yes/no setting on
             if not eq:
+                check_name(key, known, where)
                 raise UsageError(f"{arg!r} has no value: write --{key}=VALUE")
             try:
                 value = ast.literal_eval(text)
@@ -445,7 +451,9 @@ def save_atomic(obj, path):
     except (OSError, RuntimeError) as e:  # a full disk or quota (torch.save wraps some as RuntimeError)
         with suppress(FileNotFoundError):
             os.remove(tmp)
-        raise UsageError(f"could not write {path} ({e}); the previous checkpoint is intact: free some space, "
+        cause = e if isinstance(e, OSError) else e.__context__  # the OSError that torch.save's error hides
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e)
+        raise UsageError(f"could not write {path} ({reason}); the previous checkpoint is intact: free some space, "
                          "then continue with --init_from=resume") from None
     os.replace(tmp, path)
     dirfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
@@ -459,7 +467,7 @@ def load_checkpoint(path, device, hint=None):
     """A checkpoint written by save_atomic, or a one-line UsageError that says what to do instead
     (hint: what else to try, e.g. the run's other checkpoint)."""
     if not os.path.exists(path):
-        raise UsageError(f"no checkpoint at {path}: train first, or point --out_dir at a run")
+        raise UsageError(f"no checkpoint at {path}: {hint or 'train first, or point --out_dir at a run'}")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=False)
     except Exception as e:
@@ -558,7 +566,7 @@ def run(argv, held):
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
     writes = not (cfg.bench or cfg.eval_only)  # --eval_only looks at a run and writes nothing
     if master and writes:  # take out_dir, and find out now that it takes files, not at the first checkpoint
-        held.enter_context(prepare_out_dir(cfg.out_dir))
+        prepare_out_dir(cfg.out_dir, held)
     if writes and cfg.init_from == "scratch":
         existing = [p for p in (os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt")) if os.path.exists(p)]
         if existing:
@@ -587,7 +595,7 @@ def run(argv, held):
     ckpt = None
     if cfg.init_from == "resume":
         best = os.path.join(cfg.out_dir, "best.pt")
-        ckpt = load_checkpoint(ckpt_path, "cpu", f"copy {best} over it to resume from the best checkpoint"
+        ckpt = load_checkpoint(ckpt_path, "cpu", f"copy {best} to {ckpt_path} to resume from the best checkpoint"
                                if os.path.exists(best) else None)
         model_config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
         try:  # how attention runs and what it drops are the run's choice; the rest is the model's
@@ -710,11 +718,19 @@ def run(argv, held):
         if ddp:  # every rank's dropout state, so that each resumes where it stopped
             states = [None] * world
             dist.all_gather_object(states, {k: v.cpu() for k, v in rng_state(device).items()})
+        failed = None
         if master:
-            save_atomic(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                             model_config=asdict(model_config), train_config=asdict(cfg), iter_num=iter_num,
-                             best_val_loss=best_val_loss, evaluated_at=evaluated_at, rng=states, tokens=tokens,
-                             meta=meta), path)
+            try:
+                save_atomic(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+                                 scaler=scaler.state_dict(), model_config=asdict(model_config),
+                                 train_config=asdict(cfg), iter_num=iter_num, best_val_loss=best_val_loss,
+                                 evaluated_at=evaluated_at, rng=states, tokens=tokens, meta=meta), path)
+            except UsageError as e:  # a full disk: every rank stops with it (rank 0 says why), rather than
+                failed = e  # the others meeting a closed connection at their next collective
+        if ddp and all_ranks(torch.tensor(float(failed is not None), device=device)).item() and not failed:
+            failed = UsageError(f"rank 0 could not write {path}")
+        if failed:
+            raise failed
         return True
 
     def forward_backward(it):
@@ -819,11 +835,13 @@ def run(argv, held):
     return 0
 
 
-def prepare_out_dir(path):
+def prepare_out_dir(path, held):
     """Make out_dir, check that it takes files, lock it, and remove temporary files of a killed save.
-    Returns the lock: out_dir/.lock, open and flock-ed. A second train.py writing there would
-    overwrite this run's checkpoints or remove the one it is writing, so it is refused while the
-    lock is held; the kernel releases it when the file is closed or the process ends, however."""
+    The lock is out_dir/.lock, flock-ed until `held` (the run's ExitStack) closes: a second train.py
+    writing there would overwrite this run's checkpoints or remove the one it is writing, so it is
+    refused meanwhile; the kernel releases the lock when the process ends, however it ends. An
+    out_dir this run made and left empty (it failed before its first checkpoint) goes at the end."""
+    made = not os.path.isdir(path)
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test.{os.getpid()}")
@@ -844,10 +862,19 @@ def prepare_out_dir(path):
     lock.truncate(0)
     lock.write(f"{os.getpid()}\n")
     lock.flush()
+    held.enter_context(lock)
+    if made:
+        held.callback(remove_if_unused, path)
     for name in os.listdir(path):
         if ".pt.tmp." in name:
             os.remove(os.path.join(path, name))
-    return lock
+
+
+def remove_if_unused(path):
+    if os.listdir(path) == [".lock"]:
+        with suppress(OSError):  # another train.py may have just taken it
+            os.remove(os.path.join(path, ".lock"))
+            os.rmdir(path)
 
 
 def configure_optimizer(model, cfg, fused):
