@@ -197,7 +197,7 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
         (("out-newer",), ["model settings this model.py does not know (qk_norm)", "newer nanoformer"]),
         (("out-truncated",), ["is not a readable checkpoint", "truncated or corrupted"]),
         (("out-garbage",), ["is not a readable checkpoint", "truncated or corrupted"]),
-        (("out-truncated-best",), ["copy out-truncated-best/best.pt over it to resume from the best checkpoint"]),
+        (("out-truncated-best",), ["copy out-truncated-best/best.pt to out-truncated-best/ckpt.pt to resume from the best checkpoint"]),
     ]
     results = in_parallel(*(lambda args=args: train(*args) for args, _ in cases),
                           lambda: train("out-old-resumed", "--max_iters=5"))
