@@ -1,5 +1,6 @@
 """
-Fused attention kernels for nanoformer, written in Triton.
+Fused attention kernels for nanoformer, written in Triton; and, at the end, fp32 matrix products
+on a CPU through oneDNN (linear), where torch's default library runs at half speed.
 
 flash_attention(q, k, v) computes softmax(scale * q kᵀ + bias) v exactly, in O(T) memory: the
 FlashAttention-2 scheme (Dao 2023). The forward walks over blocks of keys keeping a running row
@@ -22,8 +23,10 @@ the same kernels on CPU tensors, slowly: that is how the tests run in CI (confte
 import contextlib
 import math
 import os
+import time
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -556,6 +559,92 @@ def _backward(ctx, dout, _dlse):
 
 
 _flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Matrix products on a CPU. torch runs fp32 products there through MKL, which chooses its code by
+# the CPU's vendor: on AMD's CPUs it runs AVX2 code even where AVX-512 is there, at half the speed
+# of oneDNN's AVX-512 kernels (README: Training speed). oneDNN ships inside torch; linear() reaches
+# it through torch's own oneDNN operators, forward and backward.
+
+ONEDNN_MIN_MACS = 2**20  # below this a call's fixed cost (about 10 us) outweighs the faster kernel
+
+
+def onednn_applies(impl, device, dtype):
+    """Whether products in dtype on device run through oneDNN under impl: on a CPU in fp32, when
+    impl is "onednn", or "auto" and oneDNN was measured clearly faster here (onednn_faster)."""
+    return (impl != "torch" and device.type == "cpu" and dtype == torch.float32
+            and (impl == "onednn" or onednn_faster()))
+
+
+def linear(x, weight, bias=None, impl="auto"):
+    """F.linear(x, weight, bias): x (..., K) @ weight (N, K)ᵀ + bias, through oneDNN where it
+    applies (onednn_applies) to a product of at least ONEDNN_MIN_MACS multiply-adds, outside
+    autocast and torch.compile. The same sums in another order: the results differ from F.linear's
+    by rounding only."""
+    if (x.numel() * weight.size(0) >= ONEDNN_MIN_MACS and x.dtype == weight.dtype
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and onednn_applies(impl, x.device, x.dtype)):
+        return _OneDNNLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """y = x Wᵀ + b with oneDNN's kernels; the backward's two products too: dx = dy W, dW = dyᵀ x.
+    An autograd.Function rather than a custom op: a custom op's dispatch cost 4 ms of a 31 ms
+    iteration of 24 products (torch.compile, which would need one, takes F.linear instead)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2 = x.reshape(-1, x.size(-1)).contiguous()  # (M, K)
+        ctx.save_for_backward(x2, weight)
+        ctx.has_bias = bias is not None
+        y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")  # (M, N)
+        return y.view(*x.shape[:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.size(-1)).contiguous()  # (M, N)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # dy (M, N) @ W (N, K): W read transposed in place
+            dx = torch.ops.mkldnn._linear_pointwise(dy2, weight.t(), None, "none", [], "").view(
+                *dy.shape[:-1], weight.size(1))
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            # oneDNN's weight-gradient primitive, which sums over the M rows; it reads its inputs in
+            # oneDNN's own layout (a copy each), and is still faster than dyᵀ x read as a view
+            dw, db = torch.ops.aten.mkldnn_linear_backward_weights(dy2.to_mkldnn(), x2.to_mkldnn(), weight,
+                                                                   ctx.has_bias)
+        return dx, dw, db if ctx.has_bias else None
+
+
+_onednn_faster = None  # measured at the first call that could use it
+
+
+def onednn_faster():
+    """Whether oneDNN's fp32 product beats torch's default on this CPU by at least 25%, timed
+    once per process (about 20 ms) on a 512 x 512 x 512 product, the best of 5 of each. The
+    margin keeps the choice the same from run to run where the two are close."""
+    global _onednn_faster
+    if _onednn_faster is None:
+        a, w = torch.randn(2, 512, 512, generator=torch.Generator().manual_seed(0))  # not the run's RNG
+
+        def best(product):
+            product()  # oneDNN prepares its kernel for the shape at the first call
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                product()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        try:
+            with torch.no_grad():
+                fast = best(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
+                _onednn_faster = best(lambda: F.linear(a, w)) > 1.25 * fast
+        except (AttributeError, RuntimeError, NotImplementedError):  # a torch built without oneDNN
+            _onednn_faster = False
+    return _onednn_faster
 
 
 # ----------------------------------------------------------------------------------------------

@@ -137,24 +137,25 @@ def test_a_second_run_is_refused_while_another_writes_the_same_out_dir(workdir):
     assert code == 0 and not stray.exists(), err
 
 
-def test_a_resumed_run_may_change_attn_impl_and_dropout_and_says_which_settings_changed(trained):
+def test_a_resumed_run_may_change_attn_impl_linear_impl_and_dropout_and_says_which_settings_changed(trained):
     d = trained
     shutil.copytree(d / "out-ok", d / "out-kernel")
     for f in ("ckpt.pt", "best.pt"):  # as if trained through the Triton kernel on a GPU
         ckpt = torch.load(d / "out-kernel" / f, weights_only=False)
         ckpt["model_config"]["attn_impl"] = "triton"
+        ckpt["model_config"]["linear_impl"] = "onednn"
         torch.save(ckpt, d / "out-kernel" / f)
     cpu = {"TRITON_INTERPRET": "0"}  # as users run it: no interpreter
     code, out, err = run("sample.py", "--out_dir=out-kernel", "--max_new_tokens=5", cwd=d, env=cpu)
     assert code == 0 and out.strip(), err
     code, out, err = run("train.py", "--dataset=verse", "--out_dir=out-kernel", "--init_from=resume", *TINY,
-                         "--attn_impl=auto", "--dropout=0.1", "--max_iters=6", cwd=d, env=cpu)
+                         "--attn_impl=auto", "--linear_impl=torch", "--dropout=0.1", "--max_iters=6", cwd=d, env=cpu)
     assert code == 0, err
     # out-ok trained with --eval_interval=2, not given here: said, with the new max_iters (not out_dir)
     assert "training settings changed from the checkpoint's: max_iters 4 -> 6, eval_interval 2 -> 250\n" in out
     saved = torch.load(d / "out-kernel" / "ckpt.pt", weights_only=False)
-    assert saved["iter_num"] == 6 and (saved["model_config"]["attn_impl"], saved["model_config"]["dropout"]) == (
-        "auto", 0.1)
+    assert saved["iter_num"] == 6
+    assert [saved["model_config"][k] for k in ("attn_impl", "linear_impl", "dropout")] == ["auto", "torch", 0.1]
 
 
 def test_train_rejects_broken_or_mismatched_checkpoints(trained):
@@ -197,7 +198,8 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
         (("out-newer",), ["model settings this model.py does not know (qk_norm)", "newer nanoformer"]),
         (("out-truncated",), ["is not a readable checkpoint", "truncated or corrupted"]),
         (("out-garbage",), ["is not a readable checkpoint", "truncated or corrupted"]),
-        (("out-truncated-best",), ["copy out-truncated-best/best.pt to out-truncated-best/ckpt.pt to resume from the best checkpoint"]),
+        (("out-truncated-best",), ["copy out-truncated-best/best.pt to out-truncated-best/ckpt.pt to resume from "
+                                   "the best checkpoint"]),
     ]
     results = in_parallel(*(lambda args=args: train(*args) for args, _ in cases),
                           lambda: train("out-old-resumed", "--max_iters=5"))

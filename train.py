@@ -323,7 +323,8 @@ def spec_tflops(name):
 
 
 def peak_flops(device, dtype):
-    """The device's dense bf16/fp16 peak from a table of GPUs, or else what a large matmul reaches."""
+    """The device's dense bf16/fp16 peak from a table of GPUs, or else what a large matmul reaches
+    (through oneDNN where it is the faster on this CPU: kernels.linear)."""
     if device.type == "cuda" and dtype != torch.float32:
         name = torch.cuda.get_device_name(device)
         if tflops := spec_tflops(name):
@@ -335,11 +336,11 @@ def peak_flops(device, dtype):
     # of its own: the global RNG state is the run's
     a = b = torch.randn(n, n, device=device, generator=torch.Generator(device).manual_seed(0)).to(dtype)
     for _ in range(2):
-        a @ b
+        kernels.linear(a, b)
     sync(device)
     t, reps = time.perf_counter(), 0
     while time.perf_counter() - t < 0.3:
-        a @ b
+        kernels.linear(a, b)
         reps += 1
     sync(device)
     flops = 2 * n**3 * reps / (time.perf_counter() - t)
@@ -369,11 +370,12 @@ def training_attention(model, device):
 
 def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5, iters=20, warmup=10):
     """Time train.py's iteration, ours = (forward_backward(it), update()) on model, against
-    nanoGPT's recipe on a copy of the model: attention through SDPA, AdamW fused only on CUDA,
-    compiled only on a GPU (as nanoGPT's train.py and its CPU example do). The two run in
+    nanoGPT's recipe on a copy of the model: attention through SDPA, products through torch's
+    default library, AdamW fused only on CUDA, compiled only on a GPU (as nanoGPT's train.py and
+    its CPU example do). The two run in
     alternating rounds, so that both see the same machine; the report gives the median round, split
     into forward+backward and update, and how far apart the two runs' weights end."""
-    ref = Transformer(replace(model.config, attn_impl="sdpa")).to(device)
+    ref = Transformer(replace(model.config, attn_impl="sdpa", linear_impl="torch")).to(device)
     ref.load_state_dict(model.state_dict())
     opt = configure_optimizer(ref, cfg, fused=device.type == "cuda")
     compiled = torch.compile(ref) if cfg.compile and device.type == "cuda" else ref
@@ -413,11 +415,14 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
                 memory[name] = max(memory[name], torch.cuda.max_memory_allocated(device) - resident)
     tokens = cfg.gradient_accumulation_steps * cfg.batch_size * model.config.block_size
     used = training_attention(model, device)
+    onednn = kernels.onednn_applies(model.config.linear_impl, device, dtype) and not cfg.compile
+    products = "onednn" if onednn else "torch"
     median = {name: sorted(ts, key=sum)[rounds // 2] for name, ts in times.items()}
     base = sum(median["nanoGPT's recipe"])
     lines = [f"bench: {rounds} rounds of {iters} iterations after {warmup} of warm-up, {tokens:,} tokens per "
              f"iteration, {device} {str(dtype).replace('torch.', '')}{', compiled' if cfg.compile else ''}; "
-             f"attention: {used} in train.py, sdpa in nanoGPT's recipe",
+             f"attention: {used} in train.py, sdpa in nanoGPT's recipe; products: {products} in train.py, "
+             "torch in nanoGPT's recipe",
              f"{'':18} {'ms/iter':>8} {'fwd+bwd':>8} {'update':>7} {'tokens/s':>9} {'MFU':>6} {'speed-up':>9}"
              f"  each round (ms/iter)"]
     for name, (fb, up) in median.items():
@@ -526,7 +531,7 @@ def pick_dtype(name, device):
     return names[name]
 
 
-RUN_TIME = ("attn_impl", "dropout")  # model settings that a resumed run may change
+RUN_TIME = ("attn_impl", "linear_impl", "dropout")  # model settings that a resumed run may change
 
 
 def main(argv):
@@ -598,7 +603,7 @@ def run(argv, held):
         ckpt = load_checkpoint(ckpt_path, "cpu", f"copy {best} to {ckpt_path} to resume from the best checkpoint"
                                if os.path.exists(best) else None)
         model_config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
-        try:  # how attention runs and what it drops are the run's choice; the rest is the model's
+        try:  # how attention and products run, and what dropout drops, are the run's; the rest is the model's
             model_config = replace(model_config, **{k: v for k, v in model_args.items() if k in RUN_TIME})
         except ValueError as e:
             raise UsageError(f"bad model settings: {e}") from None
