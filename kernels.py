@@ -562,10 +562,10 @@ _flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
-# Matrix products on a CPU. torch runs fp32 products there through MKL, which chooses its code by
-# the CPU's vendor: on AMD's CPUs it runs AVX2 code even where AVX-512 is there, at half the speed
-# of oneDNN's AVX-512 kernels (README: Training speed). oneDNN ships inside torch; linear() reaches
-# it through torch's own oneDNN operators, forward and backward.
+# Matrix products on a CPU. torch runs fp32 products there through MKL, which picks its code by
+# the processor's vendor: on an AMD EPYC with AVX-512 it ran at half the speed of oneDNN's AVX-512
+# kernels (README: Training speed). oneDNN ships inside torch; linear() reaches it through torch's
+# own oneDNN operators, forward and backward.
 
 ONEDNN_MIN_MACS = 2**20  # below this a call's fixed cost (about 10 us) outweighs the faster kernel
 
@@ -591,8 +591,8 @@ def linear(x, weight, bias=None, impl="auto"):
 
 class _OneDNNLinear(torch.autograd.Function):
     """y = x Wᵀ + b with oneDNN's kernels; the backward's two products too: dx = dy W, dW = dyᵀ x.
-    An autograd.Function rather than a custom op: a custom op's dispatch cost 4 ms of a 31 ms
-    iteration of 24 products (torch.compile, which would need one, takes F.linear instead)."""
+    An autograd.Function rather than a custom op: a custom op's dispatch made a 27 ms iteration of
+    17 products 4 ms slower (torch.compile, which would need one, takes F.linear instead)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -621,27 +621,26 @@ class _OneDNNLinear(torch.autograd.Function):
 _onednn_faster = None  # measured at the first call that could use it
 
 
-def onednn_faster():
+def onednn_faster(pairs=10):
     """Whether oneDNN's fp32 product beats torch's default on this CPU by at least 25%, timed
-    once per process (about 20 ms) on a 512 x 512 x 512 product, the best of 5 of each. The
-    margin keeps the choice the same from run to run where the two are close."""
+    once per process (about 27 ms) on a 512 x 512 x 512 product: the best of `pairs` runs of each,
+    taken in turns, so that a busy moment slows both rather than one. The margin keeps the choice
+    the same from run to run where the two are close."""
     global _onednn_faster
     if _onednn_faster is None:
         a, w = torch.randn(2, 512, 512, generator=torch.Generator().manual_seed(0))  # not the run's RNG
-
-        def best(product):
-            product()  # oneDNN prepares its kernel for the shape at the first call
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                product()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
+        products = (lambda: F.linear(a, w), lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
+        best = [float("inf")] * 2  # seconds: torch's, oneDNN's
         try:
             with torch.no_grad():
-                fast = best(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
-                _onednn_faster = best(lambda: F.linear(a, w)) > 1.25 * fast
+                for product in products:  # oneDNN prepares its kernel for the shape at the first call
+                    product()
+                for _ in range(pairs):
+                    for i, product in enumerate(products):
+                        t0 = time.perf_counter()
+                        product()
+                        best[i] = min(best[i], time.perf_counter() - t0)
+            _onednn_faster = best[0] > 1.25 * best[1]
         except (AttributeError, RuntimeError, NotImplementedError):  # a torch built without oneDNN
             _onednn_faster = False
     return _onednn_faster

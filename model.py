@@ -289,7 +289,7 @@ class KVCache(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear (bias: config.bias unless given), whose fp32 products on a CPU may run through
-    oneDNN (config.linear_impl; kernels.linear): twice as fast as torch's default on AMD's CPUs."""
+    oneDNN (config.linear_impl; kernels.linear), twice as fast as torch's default on an AMD CPU."""
 
     def __init__(self, config, n_in, n_out, bias=None):
         super().__init__(n_in, n_out, bias=config.bias if bias is None else bias)

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kernels
 from model import ModelConfig, Transformer
