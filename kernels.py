@@ -582,7 +582,7 @@ def linear(x, weight, bias=None, impl="auto"):
     applies (onednn_applies) to a product of at least ONEDNN_MIN_MACS multiply-adds, outside
     autocast and torch.compile. The same sums in another order: the results differ from F.linear's
     by rounding only."""
-    if (x.numel() * weight.size(0) >= ONEDNN_MIN_MACS and x.dtype == weight.dtype
+    if (x.is_cpu and x.numel() * weight.size(0) >= ONEDNN_MIN_MACS and x.dtype == weight.dtype  # GPUs: one test
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
             and onednn_applies(impl, x.device, x.dtype)):
         return _OneDNNLinear.apply(x, weight, bias)
