@@ -52,8 +52,9 @@ def test_prepare_rejects_bad_input_in_one_line(workdir, args, fragments):  # noq
 
 def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F811
     d, _ = workdir
-    train = lambda *a, env=None: run("train.py", "--dataset=verse", "--out_dir=out-bad", *TINY, *a, cwd=d,  # noqa: E731
-                                     env=env)
+    # each run its own out_dir: runs that get as far as taking it would refuse one another
+    train = lambda i, *a, env=None: run("train.py", "--dataset=verse", f"--out_dir=out-bad{i}", *TINY, *a,  # noqa: E731
+                                        cwd=d, env=env)
     (tmp_path / "bad.py").write_text("n_head = 3\n")  # 32 wide is not divisible by 3 heads
     t5 = ("--arch=encoder-decoder", "--pos=learned")  # TINY's block_size is 16
     cases = [
@@ -83,12 +84,12 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F81
     ]
     if not torch.cuda.is_available():
         cases.append((("--device=cuda",), ["--device=cuda but torch sees no CUDA GPU", "--device=cpu"]))
-    results = in_parallel(*(lambda args=args: train(*args) for args, _ in cases))
+    results = in_parallel(*(lambda i=i, args=args: train(i, *args) for i, (args, _) in enumerate(cases)))
     for (args, fragments), result in zip(cases, results):
         one_line_error(result, *fragments)
-    assert not (d / "out-bad").exists()  # a run that stops before its first checkpoint leaves no out_dir
+    assert not list(d.glob("out-bad*"))  # a run that stops before its first checkpoint leaves no out_dir
     if not torch.cuda.is_available():  # (tests run the kernel in Triton's interpreter; users do not)
-        one_line_error(train("--attn_impl=triton", env={"TRITON_INTERPRET": "0"}),
+        one_line_error(train("-triton", "--attn_impl=triton", env={"TRITON_INTERPRET": "0"}),
                        "attn_impl='triton' runs on CUDA GPUs")
 
 
@@ -175,6 +176,7 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
     # a checkpoint from before gelu_approximate existed was trained with its default, the tanh form
     for name in ("old", "old-resumed"):
         write(name, edit=lambda c: c["model_config"].pop("gelu_approximate"))
+    write("ok-copy")  # runs in parallel take their out_dir: one out-ok would refuse the second
     write("lacking", edit=lambda c: c.pop("optimizer"))
     write("newer", edit=lambda c: c["model_config"].update(qk_norm=True))
     whole = (d / "out-ok" / "ckpt.pt").read_bytes()
@@ -193,7 +195,7 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
          ["--n_layer=3 does not match the checkpoint's n_layer=2", "set --n_layer=2 or drop it"]),
         (("out-old", "--gelu_approximate=none"),
          ["--gelu_approximate='none' does not match the checkpoint's gelu_approximate='tanh'"]),
-        (("out-ok", "--dataset=verse-at"), ["was trained on other data"]),
+        (("out-ok-copy", "--dataset=verse-at"), ["was trained on other data"]),
         (("out-lacking",), ["out-lacking/ckpt.pt is not a nanoformer checkpoint (it lacks ['optimizer'])"]),
         (("out-newer",), ["model settings this model.py does not know (qk_norm)", "newer nanoformer"]),
         (("out-truncated",), ["is not a readable checkpoint", "truncated or corrupted"]),
