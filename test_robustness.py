@@ -104,6 +104,33 @@ def test_train_refuses_damaged_data_in_one_line(workdir):  # noqa: F811
                        f"dataset '{name}' is damaged", "prepare it again")
 
 
+def test_train_out_of_memory_stops_in_one_line_and_keeps_the_checkpoints(trained):
+    d = trained
+    shutil.copytree(d / "out-ok", d / "out-oom")
+    before = {f: (d / "out-oom" / f).read_bytes() for f in ("ckpt.pt", "best.pt")}
+    # 200,000 sequences: gigabytes of activations, more than the 4 GiB the system grants here
+    train = lambda *a: run("train.py", "--dataset=verse", *TINY, "--batch_size=200000", *a, cwd=d,  # noqa: E731
+                           max_memory_bytes=4 * 2**30)
+    for result in in_parallel(lambda: train("--out_dir=out-oom-new"),
+                              lambda: train("--out_dir=out-oom", "--init_from=resume")):
+        one_line_error(result, "out of memory (asked for", "GiB more): lower --batch_size",
+                       "raising --gradient_accumulation_steps", "checkpoints already in out_dir are as they were")
+    assert not (d / "out-oom-new").exists()
+    assert {f: (d / "out-oom" / f).read_bytes() for f in before} == before
+
+
+def test_out_of_memory_reads_torchs_messages():
+    from train import out_of_memory
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                  "79.19 GiB of which 1.06 GiB is free.")  # (torch's message, shortened)
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 3276800000 bytes. Error code 12 (Cannot allocate memory)")
+    assert out_of_memory(cuda) == "out of memory (asked for 2.00 GiB more)"
+    assert out_of_memory(cpu) == "out of memory (asked for 3.1 GiB more)"
+    assert out_of_memory(MemoryError()) == "out of memory"
+    assert out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None  # a bug stays a bug
+
+
 def test_a_new_run_never_overwrites_checkpoints_and_eval_only_writes_nothing(trained):
     d = trained
     before = {f: (d / "out-ok" / f).read_bytes() for f in ("ckpt.pt", "best.pt")}

@@ -28,12 +28,18 @@ TINY = ["--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_siz
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=8", "--learning_rate=3e-3"]
 
 
-def run(script, *args, cwd, env=None, max_file_bytes=None):
+def run(script, *args, cwd, env=None, max_file_bytes=None, max_memory_bytes=None):
     """Run a script as a user would; returns (exit status, stdout, stderr). max_file_bytes: no file
-    it writes may grow past this, as on a full disk."""
+    it writes may grow past this, as on a full disk. max_memory_bytes: the system refuses memory
+    past this (of address space), as on a machine that has no more."""
     cmd = [sys.executable, os.path.join(HERE, script), *args] if script.endswith(".py") else [script, *args]
-    full_disk = max_file_bytes and (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes,) * 2))
-    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, preexec_fn=full_disk or None,
+    limits = [(resource.RLIMIT_FSIZE, max_file_bytes), (resource.RLIMIT_AS, max_memory_bytes)]
+    limits = [(kind, n) for kind, n in limits if n]
+
+    def limit():
+        for kind, n in limits:
+            resource.setrlimit(kind, (n, n))
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, preexec_fn=limit if limits else None,
                        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     return p.returncode, p.stdout, p.stderr
 

@@ -536,7 +536,27 @@ RUN_TIME = ("attn_impl", "linear_impl", "dropout")  # model settings that a resu
 
 def main(argv):
     with ExitStack() as held:  # what the run holds until it ends, however it ends: its lock on out_dir
-        return run(argv, held)
+        try:
+            return run(argv, held)
+        except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeErrors
+            oom = out_of_memory(e)
+            if oom is None:
+                raise
+            raise UsageError(f"{oom}: lower --batch_size, raising --gradient_accumulation_steps to keep the "
+                             "tokens per step; checkpoints already in out_dir are as they were") from None
+
+
+def out_of_memory(e):
+    """'out of memory (asked for 2.0 GiB more)' if e says that torch or Python could not allocate
+    memory, on a GPU or on the CPU where the system refuses (where it kills the process instead,
+    nothing can answer); else None."""
+    if not (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)):
+        return None
+    asked = re.search(r"[Tt]ried to allocate ([\d.]+) (\w+)", str(e))  # "2.00 GiB", "3276800000 bytes"
+    if not asked:
+        return "out of memory"
+    size = f"{int(asked[1]) / 2**30:.1f} GiB" if asked[2] == "bytes" else f"{asked[1]} {asked[2]}"
+    return f"out of memory (asked for {size} more)"
 
 
 def run(argv, held):
