@@ -372,9 +372,9 @@ def bench(ours, model, cfg, device, dtype, batch, flops_per_iter, peak, rounds=5
     """Time train.py's iteration, ours = (forward_backward(it), update()) on model, against
     nanoGPT's recipe on a copy of the model: attention through SDPA, products through torch's
     default library, AdamW fused only on CUDA, compiled only on a GPU (as nanoGPT's train.py and
-    its CPU example do). The two run in
-    alternating rounds, so that both see the same machine; the report gives the median round, split
-    into forward+backward and update, and how far apart the two runs' weights end."""
+    its CPU example do). The two run in alternating rounds, so that both see the same machine; the
+    report gives the median round, split into forward+backward and update, and how far apart the
+    two runs' weights end."""
     ref = Transformer(replace(model.config, attn_impl="sdpa", linear_impl="torch")).to(device)
     ref.load_state_dict(model.state_dict())
     opt = configure_optimizer(ref, cfg, fused=device.type == "cuda")
