@@ -590,7 +590,8 @@ def linear(x, weight, bias=None, impl="auto"):
 
 
 def _onednn_mm(x, weight, bias=None):
-    """x (M, K) @ weight (N, K)ᵀ + bias through oneDNN's fp32 kernel (weight may be a transposed view)."""
+    """x (M, K) @ weight (N, K)ᵀ + bias through oneDNN's fp32 kernel. weight may be a transposed
+    view, read in place; a transposed x is copied to rows first (by torch's operator)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
