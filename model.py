@@ -646,6 +646,19 @@ class Transformer(nn.Module):
         sequence longer than block_size must be recomputed from its new first token."""
         return self.config.pos in ("learned", "sinusoidal")
 
+    def prefill(self, idx, input_pos, mask=None, src_mask=None):
+        """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), with idx
+        added to the KV cache. No query looks further back than the cache holds, so a prompt
+        longer than the cache goes in by pieces of the cache's size, each finding its keys in the
+        cache and in itself: attention's memory is O(size^2) rather than O(T^2) (a long prompt to
+        a model with relative positions)."""
+        n = self.decoder.h[0].attn.kv_cache.k.size(2)
+        for s in range(0, idx.size(1), n):
+            piece = slice(s, s + n)
+            logits = self(idx[:, piece], mask=None if mask is None else mask[:, piece], src_mask=src_mask,
+                          input_pos=input_pos[..., piece])[0]
+        return logits[:, -1]
+
     def decode(self, idx, input_pos, src_mask=None):
         """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), through
         the KV cache. With T = 1 every shape is fixed, so torch.compile captures it once."""
@@ -690,7 +703,7 @@ class Transformer(nn.Module):
             pos = torch.arange(tokens.size(1), device=tokens.device)[None]
             if valid is not None:
                 pos = (valid.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
-            return self(tokens, mask=valid, src_mask=src_mask, input_pos=pos)[0][:, -1], pos[:, -1:]
+            return self.prefill(tokens, pos, valid, src_mask), pos[:, -1:]
 
         try:
             logits, pos = prefill(idx, mask)
@@ -786,8 +799,8 @@ def speculative_generate(target, draft, idx, max_new_tokens, k=4, temperature=1.
     try:
         # invariant: the target has seen all of out but its last token; the draft all but `pending`
         if 1 < len(out) < end:
-            feed(target, idx[:, :-1], 0)
-            feed(draft, idx[:, :-1], 0)
+            for m in (target, draft):
+                m.prefill(idx[:, :-1], torch.arange(len(out) - 1, device=idx.device))
         seen_target = seen_draft = len(out) - 1
         pending = idx[:, -1:]
         while len(out) < end:

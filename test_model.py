@@ -143,6 +143,22 @@ def test_generate_past_block_size_sees_block_size_tokens_as_the_reference_does(p
     torch.testing.assert_close(torch.stack(seen, 1), ref_logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("pos", ["rope", "alibi", "relative", "none"])
+def test_a_prompt_longer_than_the_cache_goes_in_by_pieces_of_the_caches_size(pos, monkeypatch):
+    # relative positions read the whole prompt, each query through a window of block_size: in
+    # pieces, attention over a prompt of T tokens takes O(block_size^2) memory, not O(T^2)
+    model = model_of(pos=pos, block_size=8)
+    idx, _ = inputs(dict(arch="decoder"), T=50)
+    ref_tokens, _ = greedy_without_cache(model, idx, 3)
+    shapes, attend = [], model_module.attention  # (queries, keys) of each call
+    monkeypatch.setattr(model_module, "attention", lambda q, k, *a: shapes.append(q.shape[2:3] + k.shape[2:3])
+                        or attend(q, k, *a))
+    assert torch.equal(model.generate(idx, 3, temperature=0), ref_tokens)
+    layers = model.config.n_layer
+    assert shapes[:7 * layers:layers] == [(8, 16)] * 6 + [(2, 10)]  # 50 = 6 pieces of 8 and 2, then decoding
+    assert max(shapes) == (8, 16)
+
+
 def test_windowed_cache_holds_at_most_window_positions():
     model = model_of(pos="rope", window=4)
     sizes = []
