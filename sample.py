@@ -37,8 +37,8 @@ import torch
 import kernels
 from model import Int8Linear, ModelConfig, Transformer, quantize_int8, sample, speculative_generate
 from prepare import PrepareError, Tokenizer
-from train import (TrainConfig, UsageError, batch_rng, get_batch, load_checkpoint, parse_settings, pick_device,
-                   pick_dtype, timed, usage)
+from train import (TrainConfig, UsageError, batch_rng, get_batch, load_checkpoint, out_of_memory, parse_settings,
+                   pick_device, pick_dtype, timed, usage)
 
 MASK = "[MASK]"
 
@@ -555,4 +555,10 @@ if __name__ == "__main__":
         sys.exit(main(sys.argv[1:]))
     except (UsageError, PrepareError, ValueError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeErrors
+        if (oom := out_of_memory(e)) is None:
+            raise
+        print(f"sample.py: error: {oom}: give fewer prompts at once (lines of a --batch file), a shorter prompt, "
+              "or smaller weights (--dtype=bfloat16, --quantize=int8)", file=sys.stderr)
         sys.exit(2)

@@ -326,6 +326,16 @@ def test_sample_rejects_bad_input_in_one_line(trained):
                    "try --ckpt=latest")
 
 
+def test_sample_out_of_memory_stops_in_one_line(trained):
+    d = trained
+    line = next(line for line in (d / "texts" / "part0.txt").read_text(encoding="utf-8").splitlines() if line.strip())
+    # 200,000 prompts in one batch: more than the 4 GiB the system grants here
+    (d / "many.txt").write_text((line + "\n") * 200_000, encoding="utf-8")
+    one_line_error(run("sample.py", "--out_dir=out-ok", "--start=FILE:many.txt", "--batch", "--max_new_tokens=5",
+                       cwd=d, max_memory_bytes=4 * 2**30),
+                   "sample.py: error: out of memory (asked for", "GiB more): give fewer prompts at once")
+
+
 def test_a_prompt_path_that_is_a_folder_is_named_as_one(tmp_path):
     import sample
     with pytest.raises(train.UsageError, match="prompt file '.*' is a folder, not a file: check the path after FILE:"):
