@@ -648,10 +648,10 @@ class Transformer(nn.Module):
 
     def prefill(self, idx, input_pos, mask=None, src_mask=None):
         """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), with idx
-        added to the KV cache. No query looks further back than the cache holds, so a prompt
-        longer than the cache goes in by pieces of the cache's size, each finding its keys in the
-        cache and in itself: attention's memory is O(size^2) rather than O(T^2) (a long prompt to
-        a model with relative positions)."""
+        added to the KV cache. generate sizes the cache to hold every key a query may see, so a
+        prompt longer than the cache goes in by pieces of the cache's size, each finding its keys
+        in the cache and in itself: attention's memory is O(size^2) rather than O(T^2) (a long
+        prompt to a model with relative positions)."""
         n = self.decoder.h[0].attn.kv_cache.k.size(2)
         for s in range(0, idx.size(1), n):
             piece = slice(s, s + n)
