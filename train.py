@@ -799,7 +799,7 @@ def run(argv, held):
         lr = learning_rate(iter_num, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        due = iter_num % cfg.eval_interval == 0 and (iter_num != evaluated_at or cfg.eval_only)
+        due = cfg.eval_only or iter_num % cfg.eval_interval == 0 and iter_num != evaluated_at
         losses = evaluate() if due else None  # None also when a signal cut it short
         if losses is not None:
             evaluated_at = iter_num
