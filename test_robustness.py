@@ -177,12 +177,17 @@ def test_a_resumed_run_may_change_attn_impl_linear_impl_and_dropout_and_says_whi
     code, out, err = run("sample.py", "--out_dir=out-kernel", "--max_new_tokens=5", cwd=d, env=cpu)
     assert code == 0 and out.strip(), err
     code, out, err = run("train.py", "--dataset=verse", "--out_dir=out-kernel", "--init_from=resume", *TINY,
-                         "--attn_impl=auto", "--linear_impl=torch", "--dropout=0.1", "--max_iters=6", cwd=d, env=cpu)
+                         "--attn_impl=auto", "--linear_impl=torch", "--dropout=0.1", "--max_iters=6",
+                         "--weight_decay=0.05", "--beta2=0.5", cwd=d, env=cpu)
     assert code == 0, err
     # out-ok trained with --eval_interval=2, not given here: said, with the new max_iters (not out_dir)
-    assert "training settings changed from the checkpoint's: max_iters 4 -> 6, eval_interval 2 -> 250\n" in out
+    assert ("training settings changed from the checkpoint's: weight_decay 0.1 -> 0.05, beta2 0.95 -> 0.5, "
+            "max_iters 4 -> 6, eval_interval 2 -> 250\n") in out
     saved = torch.load(d / "out-kernel" / "ckpt.pt", weights_only=False)
     assert saved["iter_num"] == 6
+    # and the optimizer took them up, not the checkpoint's (matrices decay, gains and biases do not)
+    assert [(g["betas"], g["weight_decay"]) for g in saved["optimizer"]["param_groups"]] == [((0.9, 0.5), 0.05),
+                                                                                             ((0.9, 0.5), 0.0)]
     assert [saved["model_config"][k] for k in ("attn_impl", "linear_impl", "dropout")] == ["auto", "torch", 0.1]
 
 

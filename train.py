@@ -673,7 +673,10 @@ def run(argv, held):
         if any(".attn.c_q." in k for k in ckpt["model"]):  # written before c_attn: see model.join_q_kv
             join_q_kv_moments(ckpt["optimizer"], optimizer, model)
         model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        optimizer.load_state_dict(ckpt["optimizer"])  # the moments, and the checkpoint's betas and decay...
+        for group, ours in zip(optimizer.param_groups, settings):  # ...which give way to this run's, as logged
+            group.update(ours)
         if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
             scaler.load_state_dict(ckpt["scaler"])
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
