@@ -391,6 +391,11 @@ def test_settings_suggest_the_closest_key_and_check_types():
         train.parse_settings(["--n_layer=four"])
     given = train.parse_settings(["--n_kv_head=None", "--pos=rope", "--min_lr=0", "--compile=True"])
     assert given == dict(n_kv_head=None, pos="rope", min_lr=0.0, compile=True)
+    # a str setting takes its text as it is, even text that reads as a number or None
+    assert train.parse_settings(["--out_dir=2024", "--dataset=None"]) == dict(out_dir="2024", dataset="None")
+    for bad in ("--learning_rate=1e999", "--rope_theta=-1e400"):
+        with pytest.raises(train.UsageError, match=r"=-?inf must be a finite number"):
+            train.parse_settings([bad])
 
 
 @pytest.mark.parametrize("script, flag", [("train", "--help"), ("sample", "-h")])

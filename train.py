@@ -120,6 +120,8 @@ def check_value(key, value, known, where="TrainConfig in train.py and ModelConfi
     allowed = get_args(known[key][1]) or (known[key][1],)  # `int | None` -> (int, NoneType)
     if float in allowed and type(value) is int:
         value = float(value)
+    if type(value) is float and not math.isfinite(value):
+        raise UsageError(f"{key}={value} must be a finite number")
     if type(value) not in allowed:
         names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
         raise UsageError(f"{key}={value!r} should be {names}, not {type(value).__name__}")
@@ -151,10 +153,10 @@ def parse_settings(argv, known=None, where=None):
             if not eq:
                 check_name(key, known, where)
                 raise UsageError(f"{arg!r} has no value: write --{key}=VALUE")
-            try:
-                value = ast.literal_eval(text)
+            try:  # a str setting takes the text as it is: --out_dir=2024, --start=1984
+                value = text if known.get(key, (None, None))[1] is str else ast.literal_eval(text)
             except (ValueError, SyntaxError):
-                value = text  # a plain string, such as --pos=rope
+                value = text  # left for check_value to refuse: --max_iters=many
             given[key] = check_value(key, value, known, where)
     return given
 
