@@ -2,6 +2,7 @@
 no failure loses training: atomic checkpoints, signals, exact resume, non-finite losses, DDP."""
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -93,11 +94,20 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F81
                        "attn_impl='triton' runs on CUDA GPUs")
 
 
+def edit_meta(path, edit):
+    meta = json.loads((path / "meta.json").read_text())
+    edit(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
 def test_train_refuses_damaged_data_in_one_line(workdir):  # noqa: F811
     d, _ = workdir
     for name, damage in [("no-val", lambda p: os.remove(p / "val.bin")),
                          ("empty-val", lambda p: open(p / "val.bin", "wb").close()),
-                         ("cut-meta", lambda p: (p / "meta.json").write_text((p / "meta.json").read_text()[:20]))]:
+                         ("cut-meta", lambda p: (p / "meta.json").write_text((p / "meta.json").read_text()[:20])),
+                         ("list-meta", lambda p: (p / "meta.json").write_text("[1, 2]")),
+                         ("no-vocab", lambda p: edit_meta(p, lambda m: m.pop("vocab_size"))),
+                         ("bad-dtype", lambda p: edit_meta(p, lambda m: m.update(dtype="uint12")))]:
         shutil.copytree(d / "data" / "verse", d / "data" / name)
         damage(d / "data" / name)
         one_line_error(run("train.py", f"--dataset={name}", f"--out_dir=out-{name}", *TINY, cwd=d),

@@ -612,10 +612,10 @@ def run(argv, held):
             meta = json.load(f)
         data = {s: np.memmap(os.path.join(data_path, f"{s}.bin"), dtype=meta["dtype"], mode="r")
                 for s in ("train", "val")}
-    except (OSError, ValueError, KeyError) as e:  # a missing, empty or cut-off file
+        tokens = special_tokens(int(meta["vocab_size"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a missing, empty or cut-off file; a bad meta.json
         raise UsageError(f"dataset {cfg.dataset!r} is damaged ({type(e).__name__}: {e}): move {data_path} "
                          "aside and prepare it again") from None
-    tokens = special_tokens(meta["vocab_size"])
 
     # model: from the settings, or from the checkpoint when resuming
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
