@@ -421,6 +421,12 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_whole(trained)
     for f in ("ckpt.pt", "best.pt"):
         assert (d / "out-full" / f).read_bytes() == (d / "out-ok" / f).read_bytes()
     assert not glob.glob(str(d / "out-full" / "*.tmp.*"))
+    # a disk with no room at all is found before training starts
+    one_line_error(run("train.py", "--dataset=verse", "--out_dir=out-full", "--init_from=resume", *TINY,
+                       "--max_iters=6", cwd=d, max_file_bytes=1),
+                   "out_dir 'out-full' is not writable (File too large): free some space, or choose another --out_dir")
+    for f in ("ckpt.pt", "best.pt"):
+        assert (d / "out-full" / f).read_bytes() == (d / "out-ok" / f).read_bytes()
 
 
 def test_under_torchrun_a_full_disk_stops_every_rank_with_one_line(trained):

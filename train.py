@@ -18,6 +18,7 @@ START = time.time()  # the run's wall clock counts from here, torch's import inc
 
 import ast
 import difflib
+import errno
 import fcntl
 import gc
 import inspect
@@ -875,11 +876,13 @@ def prepare_out_dir(path, held):
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test.{os.getpid()}")
-        with open(probe, "wb"):
-            pass
+        with open(probe, "w") as f:  # some bytes, so that a full disk is found now too
+            f.write(f"{os.getpid()}\n")
         os.remove(probe)
     except OSError as e:
-        raise UsageError(f"out_dir {path!r} is not writable ({e.strerror}): choose another --out_dir") from None
+        full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        raise UsageError(f"out_dir {path!r} is not writable ({e.strerror}): "
+                         f"{'free some space, or ' if full else ''}choose another --out_dir") from None
     lock = open(os.path.join(path, ".lock"), "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -889,9 +892,10 @@ def prepare_out_dir(path, held):
         lock.close()
         raise UsageError(f"out_dir {path!r} is in use by another train.py (process {holder}): wait for it to "
                          "end, or choose another --out_dir") from None
-    lock.truncate(0)
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
+    with suppress(OSError):  # the pid only names the holder to a second run: the lock holds without it
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
     held.enter_context(lock)
     if made:
         held.callback(remove_if_unused, path)
