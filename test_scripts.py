@@ -318,6 +318,19 @@ def test_masked_lm_predicts_15_percent_of_which_80_masked_10_random_10_kept():
     assert abs(kept.sum() / chosen.sum() - (0.1 + 0.1 / 50)) < 0.01  # a random token can be the same one
 
 
+def test_masked_lm_gives_every_row_something_to_predict_even_at_a_tiny_mask_prob():
+    x = torch.randint(0, 50, (64, 8))
+    b = train.mask_tokens(x, torch.Generator().manual_seed(0), train.special_tokens(50), 50, p=1e-6)
+    chosen = b["targets"] != -100
+    assert (chosen.sum(1) == 1).all() and torch.equal(b["targets"][chosen], x[chosen])
+    # nothing else moves: the same draws as before, where every row had a target already
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    full = train.mask_tokens(x, g1, train.special_tokens(50), 50, p=0.9)
+    assert (full["targets"] != -100).any(1).all()
+    chosen = torch.rand(x.shape, generator=g2) < 0.9
+    assert torch.equal(full["targets"] != -100, chosen)
+
+
 def test_batches_follow_the_objective_settings():
     data = np.random.default_rng(0).integers(0, 50, 100_000).astype(np.uint16)
     cfg, tokens = train.TrainConfig(mask_prob=0.3, noise_density=0.3), train.special_tokens(50)

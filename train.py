@@ -216,12 +216,16 @@ def random_lengths(total, parts, batch, gen):
 
 
 def mask_tokens(x, gen, tokens, data_vocab, p=0.15):
-    """BERT's masked LM: choose p of the tokens to predict; of those 80% become the mask token,
-    10% a random token and 10% stay as they are."""
+    """BERT's masked LM: choose p of the tokens to predict (at least one per row); of those 80%
+    become the mask token, 10% a random token and 10% stay as they are."""
     chosen = torch.rand(x.shape, generator=gen) < p
     r = torch.rand(x.shape, generator=gen)
+    random_tokens = torch.randint(data_vocab, x.shape, generator=gen)
+    # a row with nothing chosen has nothing to predict, and a batch of such rows a NaN loss: choose one
+    one = torch.randint(x.shape[-1], (*x.shape[:-1], 1), generator=gen)
+    chosen |= ~chosen.any(-1, keepdim=True) & (torch.arange(x.shape[-1]) == one)
     idx = torch.where(chosen & (r < 0.8), tokens["mask"], x)
-    idx = torch.where(chosen & (r >= 0.8) & (r < 0.9), torch.randint(data_vocab, x.shape, generator=gen), idx)
+    idx = torch.where(chosen & (r >= 0.8) & (r < 0.9), random_tokens, idx)
     return dict(idx=idx, targets=x.masked_fill(~chosen, -100))
 
 
