@@ -278,11 +278,12 @@ def is_complete(out, paths, inputs, tokenizer):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PrepareError(f"{out} looks damaged ({meta_path}: {type(e).__name__}: {e}): "
                            f"delete {out} to prepare it again, or choose another --name") from None
-    if old_inputs != inputs:
+    same_text = digest == sha256(*paths)  # wherever the files lie now (another cache, a moved folder)
+    if not same_text and old_inputs != inputs:
         why = f"from other input ({meta.get('source')})"
     elif old_tokenizer != tokenizer:
         why = f"with --tokenizer {old_tokenizer}"
-    elif digest != sha256(*paths):  # the same files and sizes, other text
+    elif not same_text:  # the same files and sizes, other text
         why = "from this input before its text changed (the sha256 differs)"
     else:
         return all(os.path.exists(os.path.join(out, f"{s}.bin"))
@@ -420,6 +421,9 @@ def main(argv=None):
     if args.dataset == "text":
         if not args.input or not args.name:
             raise PrepareError("`text` needs --input 'files/*.txt' and --name mydata")
+        if os.sep in args.name or args.name in (".", ".."):  # it names data_dir/<name>, which train.py reads
+            raise PrepareError(f"--name {args.name!r} is a path: give a plain name such as mydata, and --data_dir "
+                               "for the folder that holds it")
         paths = sorted(p for p in glob.glob(os.path.expanduser(args.input), recursive=True) if os.path.isfile(p))
         if not paths:
             raise PrepareError(f"--input {args.input!r} matches no file: check the path or quote the glob")

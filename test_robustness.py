@@ -35,6 +35,7 @@ def trained(workdir):  # noqa: F811
 @pytest.mark.parametrize("args, fragments", [
     (["text", "--input", "nothing/*.txt", "--name", "x"], ["matches no file", "quote the glob"]),
     (["text", "--input", "texts/*.txt"], ["needs --input", "--name"]),
+    (["text", "--input", "texts/*.txt", "--name", "../x"], ["--name '../x' is a path", "--data_dir"]),
     (["wikipedia"], ["invalid choice: 'wikipedia'", "--help"]),
     (["text", "--input", "empty.txt", "--name", "x"], ["is empty"]),
     (["text", "--input", "latin1.txt", "--name", "x", "--tokenizer", "char"], ["is not UTF-8", "iconv"]),

@@ -5,6 +5,7 @@ import os
 import random
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,6 +103,9 @@ def test_prepare_again_does_nothing_and_refuses_other_input(workdir):
     d, _ = workdir
     before = os.stat(d / "data" / "verse" / "train.bin").st_mtime_ns
     code, _, err = run("prepare.py", "text", "--input", "texts/*.txt", "--name", "verse", "--tokenizer", "char", cwd=d)
+    assert code == 0 and "nothing to do" in err
+    shutil.copytree(d / "texts", d / "moved")  # the same text in other files is the same dataset
+    code, _, err = run("prepare.py", "text", "--input", "moved/*.txt", "--name", "verse", "--tokenizer", "char", cwd=d)
     assert code == 0 and "nothing to do" in err
     assert os.stat(d / "data" / "verse" / "train.bin").st_mtime_ns == before
     code, _, err = run("prepare.py", "text", "--input", "texts/part0.txt", "--name", "verse", "--tokenizer", "char", cwd=d)
