@@ -352,6 +352,11 @@ def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     assert all(a >= b for a, b in zip(lrs[10:111], lrs[11:112])) and lrs[150] == 0.1
 
 
+def test_the_time_left_counts_hours_past_a_day():
+    assert [train.hms(t) for t in (0, 59.9, 3725, 27 * 3600 + 21 * 60 + 2.5)] == ["0:00:00", "0:00:59", "1:02:05",
+                                                                                "27:21:02"]
+
+
 def test_each_log_line_times_the_iterations_since_the_last_line_or_eval(workdir, monkeypatch, capsys):
     d, _ = workdir
     monkeypatch.chdir(d)
@@ -362,8 +367,7 @@ def test_each_log_line_times_the_iterations_since_the_last_line_or_eval(workdir,
         real_step(*args)
         clock[0] += 1.0
     monkeypatch.setattr(train, "optimizer_step", step)
-    monkeypatch.setattr(train, "time", SimpleNamespace(time=lambda: clock[0], perf_counter=time.perf_counter,
-                                                       strftime=time.strftime, gmtime=time.gmtime))
+    monkeypatch.setattr(train, "time", SimpleNamespace(time=lambda: clock[0], perf_counter=time.perf_counter))
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # train.main sets its own
     args = ["--dataset=verse", "--out_dir=out-clock", *TINY, "--log_interval=4", "--eval_interval=3"]
     try:  # evals at 0, 3 and 6; a resume from 6, then evals at 9 and 12: each log line follows fewer

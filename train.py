@@ -354,6 +354,12 @@ def peak_flops(device, dtype):
     return flops, f"{flops / 1e12:.3g} TFLOP/s (measured {n}^3 matmul, {dtype})"
 
 
+def hms(seconds):
+    """98462.5 -> '27:21:02': hours, minutes and seconds, the hours past 24 if need be."""
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -857,7 +863,7 @@ def run(argv, held):
             left = (cfg.max_iters - iter_num) * dt
             log(f"iter {iter_num}: loss {step_loss.item():.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
                 f"{tokens_per_iter / dt:,.0f} tokens/s, mfu {flops_per_iter / dt / peak:.1%}, "
-                f"{time.strftime('%H:%M:%S', time.gmtime(left))} left")
+                f"{hms(left)} left")
 
     if writes and iter_num != saved_at:
         save(ckpt_path)  # the final state, unless the last evaluation has just saved it
