@@ -344,6 +344,16 @@ def test_batches_follow_the_objective_settings():
     assert ((t5["targets"] < tokens["sentinel"]).sum(1) == round(64 * 0.3)).all()  # hidden tokens per row
 
 
+def test_every_batch_of_a_run_has_a_seed_of_its_own():
+    # training batches (iteration, micro-step) and evaluation batches (split, rank, k): a training
+    # batch evaluated as a held-out one, or two evaluation batches alike, would bias the losses
+    seeds = [train.batch_rng(1337, it, micro).initial_seed() for it in range(4) for micro in range(3)]
+    seeds += [train.eval_rng(1337, split, rank, k).initial_seed()
+              for split in (False, True) for rank in range(2) for k in range(3)]
+    assert len(set(seeds)) == len(seeds) == 4 * 3 + 2 * 2 * 3
+    assert train.eval_rng(1337, True, 1, 2).initial_seed() == seeds[-1]  # and each is the same every time
+
+
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     cfg = train.TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
     lrs = [train.learning_rate(i, cfg) for i in range(200)]

@@ -272,10 +272,17 @@ def span_corrupt(x, gen, tokens, noise_density=0.15, mean_span=3.0):
 
 
 def batch_rng(*key):
-    """A generator seeded by key, e.g. (seed, iteration, micro-step): every batch is a function of
-    where it falls in the run, so resuming needs no saved data state, and the global batch is the
-    same whatever the number of processes it is split over."""
+    """A generator seeded by key = (seed, iteration, micro-step): every training batch is a function
+    of where it falls in the run, so resuming needs no saved data state, and the global batch is
+    the same whatever the number of processes it is split over."""
     return torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
+
+
+def eval_rng(seed, *key):
+    """The generator of evaluation batch key = (split, rank, k), spawned from the seed: a stream
+    apart from training's. (SeedSequence pads short entropy with zeros, so as a plain key
+    (seed, 0, 0, 0) would be iteration 0's first batch, evaluated as if never seen.)"""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence(seed, spawn_key=key).generate_state(1)[0]))
 
 
 def get_batch(data, arch, batch_size, block_size, gen, tokens, data_vocab, cfg):
@@ -745,7 +752,7 @@ def run(argv, held):
                     model.train()
                     return None
                 with autocast:
-                    losses[k] = model(**batch(split, batch_rng(cfg.seed, split == "val", rank, k)))[1]
+                    losses[k] = model(**batch(split, eval_rng(cfg.seed, split == "val", rank, k)))[1]
             out[split] = all_ranks(losses.mean()).item() / world
         model.train()
         return out

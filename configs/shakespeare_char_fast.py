@@ -1,6 +1,7 @@
 # The most learning per second on a CPU: the Llama-style decoder (RoPE, RMSNorm, SwiGLU, GQA) of
 # nanoGPT's CPU size, with a twice larger learning rate on a schedule that ends at 1200 iterations.
-# It passes val loss 1.87 in about 75 s on 2 cores, where nanoGPT's CPU run needs 3 min 27 s.
+# It passes val loss 1.87 in 42-65 s on 2 cores (README: Training speed), where nanoGPT's CPU run
+# needs 3 min 27 s.
 # python train.py configs/shakespeare_char_fast.py
 from configs.shakespeare_char_llama import *  # the Llama-style CPU config; what differs follows
 
