@@ -77,7 +77,10 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F81
         (("--gradient_accumulation_steps=-2",), ["gradient_accumulation_steps=-2 must be at least 1"]),
         (("--grad_clip=-1",), ["grad_clip=-1.0 must be at least 0"]),
         (("--beta1=2",), [r"beta1=2.0 must lie in [0, 1)"]),
-        (("--seed=99999999999999999999",), ["seed=99999999999999999999 must lie in [0, 2**63)"]),
+        (("--seed=99999999999999999999",), ["seed is too large: give a number below 2**63"]),
+        (("--max_iters=" + "9" * 400,), ["max_iters is too large: give a number below 2**63"]),
+        (("--learning_rate=1" + "0" * 400,), ["learning_rate is too large for a float: give a finite number"]),
+        (("--learning_rate=nan",), ["learning_rate=nan must be a finite number"]),
         (("--backend=mpi",), ["backend='mpi' is not known"]),
         (("--head_size=-4",), ["head_size=-4 must be a positive integer"]),
         ((*t5, "--block_size=1"), ["span corruption hides part of each sequence: block_size=1"]),
@@ -108,6 +111,10 @@ def test_train_refuses_damaged_data_in_one_line(workdir):  # noqa: F811
                          ("cut-meta", lambda p: (p / "meta.json").write_text((p / "meta.json").read_text()[:20])),
                          ("list-meta", lambda p: (p / "meta.json").write_text("[1, 2]")),
                          ("no-vocab", lambda p: edit_meta(p, lambda m: m.pop("vocab_size"))),
+                         ("text-vocab", lambda p: edit_meta(p, lambda m: m.update(vocab_size=str(m["vocab_size"])))),
+                         ("zero-vocab", lambda p: edit_meta(p, lambda m: m.update(vocab_size=0))),
+                         ("no-tokenizer", lambda p: edit_meta(p, lambda m: m.pop("tokenizer"))),
+                         ("short-chars", lambda p: edit_meta(p, lambda m: m["vocab"].pop())),
                          ("bad-dtype", lambda p: edit_meta(p, lambda m: m.update(dtype="uint12")))]:
         shutil.copytree(d / "data" / "verse", d / "data" / name)
         damage(d / "data" / name)
@@ -321,13 +328,14 @@ def test_sample_rejects_bad_input_in_one_line(trained):
     cases = [("--start=ROMEO: ¿Qué?", "characters the model's vocabulary lacks: 'Qu¿é'"),
              ("--max_new_tokens=-1", "max_new_tokens=-1 is negative"),
              ("--temperature=-0.5", "temperature=-0.5 is negative"),
+             ("--temperature=inf", "temperature=inf must be a finite number"),
              ("--top_p=0", "top_p=0.0 must lie in (0, 1]"),
              ("--top_p=1.5", "top_p=1.5 must lie in (0, 1]"),
              ("--top_k=0", "top_k=0 must be at least 1"),
              ("--start=FILE:missing.txt", "prompt file 'missing.txt' not found"),
              ("--start=FILE:latin1.txt", "prompt file 'latin1.txt' is not UTF-8 text"),
              ("--num_samples=0", "num_samples=0 must be at least 1"),
-             ("--seed=99999999999999999999", "seed=99999999999999999999 must lie in [0, 2**63)"),
+             ("--seed=99999999999999999999", "seed is too large: give a number below 2**63"),
              ("--out_dir=out-nothing", "no checkpoint at out-nothing/ckpt.pt")]
     for path in (".", "no/such/folder/attn.html"):  # refused before sampling, not after
         cases.append((f"--attention={path}", f"--attention={path} is not a file in an existing folder"))
@@ -428,6 +436,10 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_whole(trained)
                    "out_dir 'out-full' is not writable (File too large): free some space, or choose another --out_dir")
     for f in ("ckpt.pt", "best.pt"):
         assert (d / "out-full" / f).read_bytes() == (d / "out-ok" / f).read_bytes()
+    assert not glob.glob(str(d / "out-full" / ".write-test.*"))  # the probe that found it is gone too
+    one_line_error(run("train.py", "--dataset=verse", "--out_dir=out-full-new", *TINY, cwd=d, max_file_bytes=1),
+                   "out_dir 'out-full-new' is not writable (File too large)")
+    assert not (d / "out-full-new").exists()  # made for the run, and removed with its probe
 
 
 def test_under_torchrun_a_full_disk_stops_every_rank_with_one_line(trained):

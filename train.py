@@ -120,9 +120,14 @@ def check_value(key, value, known, where="TrainConfig in train.py and ModelConfi
     check_name(key, known, where)
     allowed = get_args(known[key][1]) or (known[key][1],)  # `int | None` -> (int, NoneType)
     if float in allowed and type(value) is int:
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise UsageError(f"{key} is too large for a float: give a finite number") from None
     if type(value) is float and not math.isfinite(value):
         raise UsageError(f"{key}={value} must be a finite number")
+    if type(value) is int and not -2**63 <= value < 2**63:  # what torch and numpy hold
+        raise UsageError(f"{key} is too large: give a number below 2**63")
     if type(value) not in allowed:
         names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
         raise UsageError(f"{key}={value!r} should be {names}, not {type(value).__name__}")
@@ -158,6 +163,8 @@ def parse_settings(argv, known=None, where=None):
                 value = text if known.get(key, (None, None))[1] is str else ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text  # left for check_value to refuse: --max_iters=many
+                with suppress(ValueError):
+                    value = float(text)  # nan or inf, which Python literals lack: refused as such
             given[key] = check_value(key, value, known, where)
     return given
 
@@ -271,6 +278,18 @@ def span_corrupt(x, gen, tokens, noise_density=0.15, mean_span=3.0):
     return dict(src=src, idx=torch.cat((start, target[:, :-1]), dim=1), targets=target)
 
 
+def check_meta(meta):
+    """A ValueError unless meta (a dataset's meta.json) holds the tokenizer that prepare.py
+    writes, which the checkpoint carries to sample.py: "char" with its vocab, or "gpt2"."""
+    n, kind = meta["vocab_size"], meta["tokenizer"]
+    if type(n) is not int or n < 1:
+        raise ValueError(f"vocab_size={n!r} is not a positive integer")
+    if kind not in ("char", "gpt2"):
+        raise ValueError(f"tokenizer={kind!r} is not 'char' or 'gpt2'")
+    if kind == "char" and not (type(meta["vocab"]) is list and len(meta["vocab"]) == n):
+        raise ValueError(f"vocab is not a list of vocab_size={n} characters")
+
+
 def batch_rng(*key):
     """A generator seeded by key = (seed, iteration, micro-step): every training batch is a function
     of where it falls in the run, so resuming needs no saved data state, and the global batch is
@@ -281,7 +300,8 @@ def batch_rng(*key):
 def eval_rng(seed, *key):
     """The generator of evaluation batch key = (split, rank, k), spawned from the seed: a stream
     apart from training's. (SeedSequence pads short entropy with zeros, so as a plain key
-    (seed, 0, 0, 0) would be iteration 0's first batch, evaluated as if never seen.)"""
+    (seed, 0, 0, 0) would be iteration 0's first batch, evaluated as if never seen.) torch's CPU
+    generator keeps 32 bits of a seed, so a chance match with a training batch remains possible."""
     return torch.Generator().manual_seed(int(np.random.SeedSequence(seed, spawn_key=key).generate_state(1)[0]))
 
 
@@ -630,7 +650,8 @@ def run(argv, held):
             meta = json.load(f)
         data = {s: np.memmap(os.path.join(data_path, f"{s}.bin"), dtype=meta["dtype"], mode="r")
                 for s in ("train", "val")}
-        tokens = special_tokens(int(meta["vocab_size"]))
+        check_meta(meta)
+        tokens = special_tokens(meta["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:  # a missing, empty or cut-off file; a bad meta.json
         raise UsageError(f"dataset {cfg.dataset!r} is damaged ({type(e).__name__}: {e}): move {data_path} "
                          "aside and prepare it again") from None
@@ -890,13 +911,19 @@ def prepare_out_dir(path, held):
     refused meanwhile; the kernel releases the lock when the process ends, however it ends. An
     out_dir this run made and left empty (it failed before its first checkpoint) goes at the end."""
     made = not os.path.isdir(path)
+    probe = os.path.join(path, f".write-test.{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test.{os.getpid()}")
-        with open(probe, "w") as f:  # some bytes, so that a full disk is found now too
-            f.write(f"{os.getpid()}\n")
-        os.remove(probe)
+        try:
+            with open(probe, "w") as f:  # some bytes, so that a full disk is found now too
+                f.write(f"{os.getpid()}\n")
+        finally:
+            with suppress(OSError):
+                os.remove(probe)
     except OSError as e:
+        if made:
+            with suppress(OSError):
+                os.rmdir(path)
         full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
         raise UsageError(f"out_dir {path!r} is not writable ({e.strerror}): "
                          f"{'free some space, or ' if full else ''}choose another --out_dir") from None
