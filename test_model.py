@@ -225,23 +225,12 @@ def test_grouped_query_attention_equals_multi_head_with_shared_key_value_heads()
     torch.testing.assert_close(gqa(idx)[0], mha(idx)[0])
 
 
-def split_q_kv(state):
-    """A state dict in the layout of checkpoints from before c_attn: c_q's rows, then c_kv's."""
-    state = dict(state)
-    for name in [n for n in state if ".attn.c_attn." in n]:
-        q_rows = state[name].size(0) // 2  # n_kv_head = n_head / 2 below: q is half the rows
-        state[name.replace("c_attn", "c_q")], state[name.replace("c_attn", "c_kv")] = state.pop(name).split(q_rows)
-    return state
-
-
-def test_a_state_dict_from_before_c_attn_loads_with_q_k_v_joined():
-    cfg = dict(arch="encoder-decoder", n_kv_head=2)
-    new, old = model_of(**cfg), model_of(seed=1, **cfg)
-    state = split_q_kv(new.state_dict())
-    assert "decoder.h.0.attn.c_q.weight" in state and "decoder.h.0.cross_attn.c_q.weight" in state
-    old.load_state_dict(state)  # strict: nothing missing, nothing left over
-    idx, src = inputs(cfg)
-    torch.testing.assert_close(old(idx, src=src)[0], new(idx, src=src)[0], rtol=0, atol=0)
+def test_self_attention_projects_q_k_v_in_one_matrix_and_cross_attention_q_and_kv_in_two():
+    state = model_of(arch="encoder-decoder", n_kv_head=2).state_dict()
+    assert state["decoder.h.0.attn.c_attn.weight"].shape == (32 + 2 * 16, 32)  # q, then k and v of 2 heads
+    assert "decoder.h.0.attn.c_q.weight" not in state
+    assert state["decoder.h.0.cross_attn.c_q.weight"].shape == (32, 32)  # queries from the decoder
+    assert state["decoder.h.0.cross_attn.c_kv.weight"].shape == (2 * 16, 32)  # keys, values from the encoder
 
 
 @pytest.mark.parametrize("kw", [dict(pos="alibi", window=3), dict(pos="relative"), dict(arch="encoder", pos="rope")],

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import common
 import prepare
 import sample
 import train
@@ -92,7 +93,7 @@ def test_char_dataset_decodes_back_to_the_input_split_90_10(workdir):
     d, text = workdir
     train_ids, meta = read_split(d, "verse", "train")
     val_ids, _ = read_split(d, "verse", "val")
-    tok = prepare.Tokenizer(meta)
+    tok = common.Tokenizer(meta)
     assert tok.decode(train_ids.tolist()) + tok.decode(val_ids.tolist()) == text
     assert tok.decode(train_ids.tolist()) == train_part(text)
     assert meta["vocab"] == sorted(set(text)) and meta["train_tokens"] == len(train_ids)
@@ -131,7 +132,7 @@ def test_the_split_moves_forward_to_the_end_of_a_character(tmp_path):
 
 
 def gpt2_files_cached():
-    return all(os.path.exists(os.path.join(prepare.CACHE, "gpt2-" + n)) for n in prepare.GPT2_FILES)
+    return all(os.path.exists(os.path.join(common.CACHE, "gpt2-" + n)) for n in common.GPT2_FILES)
 
 
 @pytest.mark.skipif(not gpt2_files_cached(), reason="GPT-2 BPE files not cached (.ci/run fetches them)")
@@ -142,14 +143,14 @@ def test_gpt2_dataset_equals_tiktoken_on_the_whole_text_with_several_processes(w
     assert code == 0, err
     train_ids, meta = read_split(d, "verse_bpe", "train")
     val_ids, _ = read_split(d, "verse_bpe", "val")
-    enc = prepare.gpt2_encoding()
+    enc = common.gpt2_encoding()
     head = train_part(text)
     assert train_ids.tolist() == enc.encode_ordinary(head)
     assert val_ids.tolist() == enc.encode_ordinary(text[len(head):])
     assert enc.encode_ordinary("Hello world") == [15496, 995] and meta["vocab_size"] == 50257
 
 
-SHAKESPEARE_CACHED = os.path.exists(os.path.join(prepare.CACHE, prepare.SHAKESPEARE[1]))
+SHAKESPEARE_CACHED = os.path.exists(os.path.join(common.CACHE, prepare.SHAKESPEARE[1]))
 
 
 @pytest.mark.skipif(not SHAKESPEARE_CACHED, reason="shakespeare archive not cached (.ci/run fetches it)")
@@ -231,7 +232,7 @@ def test_prepare_names_an_unreadable_input_file(tmp_path, monkeypatch):
             return open(path, *args, **kwargs)
         monkeypatch.setattr(prepare, "open", refusing_open, raising=False)
         monkeypatch.chdir(tmp_path)
-        with pytest.raises(prepare.PrepareError, match=r"cannot read locked.txt \(Permission denied\): fix its perm"):
+        with pytest.raises(common.UsageError, match=r"cannot read locked.txt \(Permission denied\): fix its perm"):
             prepare.main(["text", "--input", "locked.txt", "--name", "x", "--tokenizer", "char"])
     assert not (tmp_path / "data" / "x").exists()
 
@@ -291,8 +292,8 @@ def test_prepare_stopped_by_a_signal_says_so_in_one_line_and_leaves_no_partial_f
 def test_span_corruption_loses_nothing_and_hides_15_percent(L):
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 50, (16, L))
-    tokens = train.special_tokens(50)
-    b = train.span_corrupt(x, g, tokens)
+    tokens = common.special_tokens(50)
+    b = common.span_corrupt(x, g, tokens)
     s0 = tokens["sentinel"]
     for row in range(16):  # put every span back in place of its sentinel: the original returns
         src, tgt = b["src"][row].tolist(), b["targets"][row].tolist()
@@ -312,7 +313,7 @@ def test_span_corruption_loses_nothing_and_hides_15_percent(L):
 def test_masked_lm_predicts_15_percent_of_which_80_masked_10_random_10_kept():
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 50, (200, 200))
-    b = train.mask_tokens(x, g, train.special_tokens(50), 50)
+    b = common.mask_tokens(x, g, common.special_tokens(50), 50)
     chosen = b["targets"] != -100
     assert abs(chosen.float().mean() - 0.15) < 0.005
     assert torch.equal(b["targets"][chosen], x[chosen]) and torch.equal(b["idx"][~chosen], x[~chosen])
@@ -324,12 +325,12 @@ def test_masked_lm_predicts_15_percent_of_which_80_masked_10_random_10_kept():
 
 def test_masked_lm_gives_every_row_something_to_predict_even_at_a_tiny_mask_prob():
     x = torch.randint(0, 50, (64, 8))
-    b = train.mask_tokens(x, torch.Generator().manual_seed(0), train.special_tokens(50), 50, p=1e-6)
+    b = common.mask_tokens(x, torch.Generator().manual_seed(0), common.special_tokens(50), 50, p=1e-6)
     chosen = b["targets"] != -100
     assert (chosen.sum(1) == 1).all() and torch.equal(b["targets"][chosen], x[chosen])
     # nothing else moves: the same draws as before, where every row had a target already
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-    full = train.mask_tokens(x, g1, train.special_tokens(50), 50, p=0.9)
+    full = common.mask_tokens(x, g1, common.special_tokens(50), 50, p=0.9)
     assert (full["targets"] != -100).any(1).all()
     chosen = torch.rand(x.shape, generator=g2) < 0.9
     assert torch.equal(full["targets"] != -100, chosen)
@@ -337,25 +338,25 @@ def test_masked_lm_gives_every_row_something_to_predict_even_at_a_tiny_mask_prob
 
 def test_batches_follow_the_objective_settings():
     data = np.random.default_rng(0).integers(0, 50, 100_000).astype(np.uint16)
-    cfg, tokens = train.TrainConfig(mask_prob=0.3, noise_density=0.3), train.special_tokens(50)
-    mlm = train.get_batch(data, "encoder", 64, 64, torch.Generator().manual_seed(0), tokens, 50, cfg)
+    tokens = common.special_tokens(50)
+    mlm = common.get_batch(data, "encoder", 64, 64, torch.Generator().manual_seed(0), 50, mask_prob=0.3)
     assert abs((mlm["targets"] != -100).float().mean() - 0.3) < 0.02
-    t5 = train.get_batch(data, "encoder-decoder", 4, 64, torch.Generator().manual_seed(0), tokens, 50, cfg)
+    t5 = common.get_batch(data, "encoder-decoder", 4, 64, torch.Generator().manual_seed(0), 50, noise_density=0.3)
     assert ((t5["targets"] < tokens["sentinel"]).sum(1) == round(64 * 0.3)).all()  # hidden tokens per row
 
 
 def test_every_batch_of_a_run_has_a_seed_of_its_own():
     # training batches (iteration, micro-step) and evaluation batches (split, rank, k): a training
     # batch evaluated as a held-out one, or two evaluation batches alike, would bias the losses
-    seeds = [train.batch_rng(1337, it, micro).initial_seed() for it in range(4) for micro in range(3)]
-    seeds += [train.eval_rng(1337, split, rank, k).initial_seed()
+    seeds = [common.batch_rng(1337, it, micro).initial_seed() for it in range(4) for micro in range(3)]
+    seeds += [common.eval_rng(1337, split, rank, k).initial_seed()
               for split in (False, True) for rank in range(2) for k in range(3)]
     assert len(set(seeds)) == len(seeds) == 4 * 3 + 2 * 2 * 3
-    assert train.eval_rng(1337, True, 1, 2).initial_seed() == seeds[-1]  # and each is the same every time
+    assert common.eval_rng(1337, True, 1, 2).initial_seed() == seeds[-1]  # and each is the same every time
 
 
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
-    cfg = train.TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
+    cfg = common.TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
     lrs = [train.learning_rate(i, cfg) for i in range(200)]
     assert lrs[:10] == pytest.approx([(i + 1) / 11 for i in range(10)])
     assert lrs[10] == pytest.approx(1.0) and lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
@@ -397,41 +398,47 @@ def test_each_log_line_times_the_iterations_since_the_last_line_or_eval(workdir,
                                           ("NVIDIA H100 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312)])
 def test_mfu_counts_against_the_peak_of_the_gpus_own_variant(name, tflops, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert train.peak_flops(torch.device("cuda"), torch.bfloat16)[0] == tflops * 1e12
-    assert train.peak_flops(torch.device("cuda"), torch.float16)[0] == tflops * 1e12  # the same tensor cores
+    assert common.peak_flops(torch.device("cuda"), torch.bfloat16)[0] == tflops * 1e12
+    assert common.peak_flops(torch.device("cuda"), torch.float16)[0] == tflops * 1e12  # the same tensor cores
 
 
 def test_a_cpu_measures_its_peak_with_a_product_sized_to_its_dtype():
     # fp32 is this project's CPU precision; half precision, often without matmul instructions on a
     # CPU, gets a smaller product so that start-up is not seconds of measuring
     for dtype, n in ((torch.float32, 1024), (torch.float16, 256), (torch.bfloat16, 256)):
-        flops, source = train.peak_flops(torch.device("cpu"), dtype)
+        flops, source = common.peak_flops(torch.device("cpu"), dtype)
         assert flops > 0 and source.endswith(f"(measured {n}^3 matmul, {dtype})")
 
 
 def test_a_gpu_missing_from_the_peak_table_is_not_taken_for_one_whose_name_it_contains():
-    assert [train.spec_tflops(n) for n in ("NVIDIA A10", "NVIDIA A10G", "NVIDIA L40S", "NVIDIA GH200 480GB",
+    assert [common.spec_tflops(n) for n in ("NVIDIA A10", "NVIDIA A10G", "NVIDIA L40S", "NVIDIA GH200 480GB",
                                            "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 4090")] \
         == [125, None, 362, 989, 125, 165]
 
 
+def train_settings(argv):
+    """train.py's settings as it parses them: its own and the model's, in one dict."""
+    ours, model = common.parse_settings(argv, common.TrainConfig, ModelConfig, skip=("vocab_size",))
+    return {**ours, **model}
+
+
 def test_settings_suggest_the_closest_key_and_check_types():
-    with pytest.raises(train.UsageError, match="did you mean --learning_rate"):
-        train.parse_settings(["--learning_rat=1e-3"])
-    with pytest.raises(train.UsageError, match="n_layer='four' should be int"):
-        train.parse_settings(["--n_layer=four"])
-    given = train.parse_settings(["--n_kv_head=None", "--pos=rope", "--min_lr=0", "--compile=True"])
+    with pytest.raises(common.UsageError, match="did you mean --learning_rate"):
+        train_settings(["--learning_rat=1e-3"])
+    with pytest.raises(common.UsageError, match="n_layer='four' should be int"):
+        train_settings(["--n_layer=four"])
+    given = train_settings(["--n_kv_head=None", "--pos=rope", "--min_lr=0", "--compile=True"])
     assert given == dict(n_kv_head=None, pos="rope", min_lr=0.0, compile=True)
     # a str setting takes its text as it is, even text that reads as a number or None
-    assert train.parse_settings(["--out_dir=2024", "--dataset=None"]) == dict(out_dir="2024", dataset="None")
+    assert train_settings(["--out_dir=2024", "--dataset=None"]) == dict(out_dir="2024", dataset="None")
     for bad in ("--learning_rate=1e999", "--rope_theta=-1e400"):
-        with pytest.raises(train.UsageError, match=r"=-?inf must be a finite number"):
-            train.parse_settings([bad])
+        with pytest.raises(common.UsageError, match=r"=-?inf must be a finite number"):
+            train_settings([bad])
 
 
 @pytest.mark.parametrize("script, flag", [("train", "--help"), ("sample", "-h")])
 def test_help_lists_every_setting_with_its_default_and_comment(script, flag, capsys):
-    module, classes = (train, (train.TrainConfig, ModelConfig)) if script == "train" else (sample, (sample.SampleConfig,))
+    module, classes = (train, (common.TrainConfig, ModelConfig)) if script == "train" else (sample, (sample.SampleConfig,))
     assert module.main([flag]) == 0
     out = capsys.readouterr().out
     assert out.startswith(module.__doc__.strip()[:40])
@@ -445,9 +452,9 @@ def test_help_lists_every_setting_with_its_default_and_comment(script, flag, cap
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_config_file_gives_a_valid_model(name, monkeypatch):
     monkeypatch.syspath_prepend(HERE)  # configs import their base config as configs.<name>
-    given = train.parse_settings([os.path.join(HERE, "configs", name)])
-    known = train.settings_types()  # as train.py splits them: model settings go to ModelConfig
-    config = ModelConfig(vocab_size=65, **{k: v for k, v in given.items() if known[k][0] == "model"})
+    _, model_args = common.parse_settings([os.path.join(HERE, "configs", name)], common.TrainConfig, ModelConfig,
+                                          skip=("vocab_size",))  # as train.py splits them
+    config = ModelConfig(vocab_size=65, **model_args)
     with torch.device("meta"):
         Transformer(config)
     if name == "shakespeare_char_cpu.py":  # nanoGPT's model: no biases, the exact GELU
@@ -494,12 +501,10 @@ def test_each_architecture_trains_and_samples(workdir, arch, extra):
 
 def test_bench_times_train_py_against_nanogpts_recipe_and_both_compute_the_same(workdir):
     d, _ = workdir
-    code, log, err = run("train.py", "--dataset=verse", "--out_dir=out-bench", "--bench", "--attn_impl=math",
-                         *TINY, cwd=d)
+    code, log, err = run("bench.py", "train", "--dataset=verse", "--out_dir=out-bench", "--attn_impl=math", *TINY,
+                         cwd=d)
     assert code == 0, err
     assert "attention: math in train.py, sdpa in nanoGPT's recipe" in log  # nanoGPT's own attention
-    # auto's products: oneDNN's where measured faster (on AMD's CPUs); nanoGPT's recipe, torch's own
-    assert re.search(r"products: (onednn|torch) in train.py, torch in nanoGPT's recipe", log)
     ms = dict(re.findall(r"^(nanoGPT's recipe|train.py) +([\d.]+)", log, re.M))
     assert set(ms) == {"nanoGPT's recipe", "train.py"} and all(float(v) > 0 for v in ms.values())
     speedup = float(re.search(r"^train.py .* ([\d.]+)x", log, re.M).group(1))

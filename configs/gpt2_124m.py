@@ -16,8 +16,8 @@ batch_size = 16
 gradient_accumulation_steps = 32
 # 10,000 steps is 5.2B tokens, about twice the compute-optimal 2.5B for 124M parameters (20 per
 # weight). At 6 * 124M + attention = 0.86 GFLOP per token that is 4.5e18 FLOPs: about 4 hours
-# on one H100 at the 383k tokens/s measured there (batch 12, 33% MFU: README, Training speed),
-# about three times as long on an A100 (a third of the peak; not measured). Lower max_iters for a
+# on one H100 at the tokens/s measured there (batch 12, docs/performance.md), about three times as
+# long on an A100 (a third of the peak; not measured). Lower max_iters for a
 # smaller budget.
 max_iters = 10000
 lr_decay_iters = 10000

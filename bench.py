@@ -1,0 +1,366 @@
+"""
+Every benchmark, one per name. Each measures its baseline in the same run, on the same machine.
+
+    python bench.py train configs/shakespeare_char_cpu.py   # train.py's iteration against nanoGPT's recipe
+    python bench.py sample --out_dir=out-shakespeare-char-cpu   # decoding speed; what int8 costs a run
+    python bench.py attention --seqs 1024 4096 --dims 64     # the Triton kernel against torch's (CUDA only)
+
+train takes train.py's settings (a config file, --key=value); sample takes --out_dir, --device,
+--dtype and --compile; `python bench.py attention --help` lists the kernel benchmark's options.
+"""
+
+import argparse
+import copy
+import os
+import resource
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import kernels
+from common import (TRAIN_RANGES, TrainConfig, UsageError, batch_rng, check_ranges, compile_decode, configure_optimizer,
+                    flops_per_token, get_batch, load_data, load_model, model_vocab_size, optimizer_step,
+                    parse_settings, peak_flops, pick_device, pick_dtype, precision, precision_name, timed)
+from model import Int8Linear, ModelConfig, Transformer, attn_impl, quantize_int8, sample
+
+try:
+    import triton
+except ImportError:  # e.g. a CPU-only torch: the benchmarks that need Triton say so
+    triton = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: python bench.py train configs/shakespeare_char_cpu.py [--key=value ...]
+
+def training_attention(model, device):
+    """The attention path ("triton", "sdpa" or "math") that model's training batches take on device:
+    whole sequences of block_size tokens, no padding."""
+    stack = model.decoder if model.decoder is not None else model.encoder
+    return attn_impl(model.config, device, True, stack.mask(model.config.window), model.config.block_size)
+
+
+def training(argv, rounds=5, iters=20, warmup=10):
+    """train.py's iteration against nanoGPT's recipe on the same model, data and settings: attention
+    through SDPA, AdamW fused only on CUDA, compiled only on a GPU (as nanoGPT's train.py and its CPU
+    example do). The two run in alternating rounds, so that both see the same machine; the report
+    gives the median round, split into forward+backward and update, and how far apart the two
+    runs' weights end."""
+    train_args, model_args = parse_settings(argv, TrainConfig, ModelConfig, skip=("vocab_size",))
+    cfg = TrainConfig(**train_args)
+    check_ranges(cfg, TRAIN_RANGES)
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    data, meta = load_data(cfg.data_dir, cfg.dataset)
+    try:
+        config = ModelConfig(vocab_size=model_vocab_size(model_args.get("arch", ModelConfig.arch), meta["vocab_size"]),
+                             **model_args)
+    except ValueError as e:
+        raise UsageError(f"bad model settings: {e}") from None
+    torch.manual_seed(cfg.seed)
+    ours = Transformer(config).to(device)
+    ref = Transformer(replace(config, attn_impl="sdpa")).to(device)
+    ref.load_state_dict(ours.state_dict())
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    recipes = {"nanoGPT's recipe": (ref, torch.compile(ref) if cfg.compile and device.type == "cuda" else ref,
+                                    configure_optimizer(ref, cfg, fused=device.type == "cuda")),
+               "train.py": (ours, torch.compile(ours) if cfg.compile else ours,
+                            configure_optimizer(ours, cfg, fused=device.type in ("cuda", "cpu")))}
+
+    def forward_backward(compiled, it):
+        for micro in range(cfg.gradient_accumulation_steps):
+            b = get_batch(data["train"], config.arch, cfg.batch_size, config.block_size, batch_rng(cfg.seed, it, micro),
+                          meta["vocab_size"], cfg.mask_prob, cfg.noise_density, cfg.mean_span)
+            with autocast:
+                loss = compiled(**{k: v.to(device) for k, v in b.items()})[1]
+            scaler.scale(loss / cfg.gradient_accumulation_steps).backward()
+
+    def apart():
+        return max((p - q).abs().max().item() for p, q in zip(ours.parameters(), ref.parameters()))
+
+    for it in range(warmup):  # warm up (and compile) outside the timings
+        for model, compiled, opt in recipes.values():
+            forward_backward(compiled, it)
+            optimizer_step(model, opt, scaler, cfg.grad_clip)
+        if it == 0:
+            first = apart()
+    times = {name: [] for name in recipes}  # per round: (forward+backward, update) seconds per iteration
+    memory = {name: 0 for name in recipes}  # on a GPU: the peak above what both models hold between iterations
+    for r in range(rounds):
+        for name, (model, compiled, opt) in recipes.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                resident = torch.cuda.memory_allocated(device)
+            spent = [0.0, 0.0]
+            for it in range(warmup + r * iters, warmup + (r + 1) * iters):
+                spent[0] += timed(lambda: forward_backward(compiled, it), device)[1] / iters
+                spent[1] += timed(lambda: optimizer_step(model, opt, scaler, cfg.grad_clip), device)[1] / iters
+            times[name].append(spent)
+            if device.type == "cuda":
+                memory[name] = max(memory[name], torch.cuda.max_memory_allocated(device) - resident)
+    tokens = cfg.gradient_accumulation_steps * cfg.batch_size * config.block_size
+    flops = flops_per_token(ours, config.block_size) * tokens
+    peak = peak_flops(device, dtype)[0]
+    median = {name: sorted(ts, key=sum)[rounds // 2] for name, ts in times.items()}
+    base = sum(median["nanoGPT's recipe"])
+    print(f"bench: {rounds} rounds of {iters} iterations after {warmup} of warm-up, {tokens:,} tokens per "
+          f"iteration, {device} {str(dtype).replace('torch.', '')}{', compiled' if cfg.compile else ''}; "
+          f"attention: {training_attention(ours, device)} in train.py, sdpa in nanoGPT's recipe")
+    print(f"{'':18} {'ms/iter':>8} {'fwd+bwd':>8} {'update':>7} {'tokens/s':>9} {'MFU':>6} {'speed-up':>9}"
+          f"  each round (ms/iter)")
+    for name, (fb, up) in median.items():
+        dt = fb + up
+        print(f"{name:18} {dt * 1e3:8.1f} {fb * 1e3:8.1f} {up * 1e3:7.1f} {tokens / dt:9,.0f} {flops / dt / peak:6.1%} "
+              f"{base / dt:8.2f}x  " + " ".join(f"{sum(t) * 1e3:.1f}" for t in times[name])
+              + (f"  peak {memory[name] / 2**20:,.0f} MiB over the models' weights and optimizer states"
+                 if device.type == "cuda" else ""))
+    print(f"the same computation: from the same weights on the same batches, the largest parameter difference "
+          f"is {first:.2g} after one iteration, {apart():.2g} after {warmup + rounds * iters} (rounding, amplified "
+          "by training)")
+    if device.type != "cuda":
+        print(f"peak memory of the process (both runs): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding: python bench.py sample [--out_dir=DIR] [--compile=True] [--device=cuda] [--dtype=bfloat16]
+
+@dataclass
+class DecodeConfig:
+    out_dir: str = "out"  # a run whose ckpt.pt shows what int8 weights cost it (skipped if none)
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False  # torch.compile the one-token decoding step
+
+
+def floor_seconds(model, x_dtype, reps=5):
+    """The time of the model's matrix-vector products alone at batch 1: every weight once, about
+    what one decoded token must cost at least."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    dev = layers[0].weight.device
+    xs = {m.in_features: torch.randn(1, m.in_features, device=dev, dtype=x_dtype) for m in layers}
+    products = lambda: [F.linear(xs[m.in_features], m.weight.to(x_dtype)) for m in layers]  # noqa: E731
+    return min(timed(products, dev)[1] for _ in range(reps))
+
+
+def no_cache_generate(model, idx, n):
+    """nanoGPT's generate: every step recomputes the whole (cropped) sequence; sampling included."""
+    for _ in range(n):
+        logits = model(idx[:, -model.config.block_size:])[0][:, -1]
+        idx = torch.cat((idx, sample(logits, 1.0, 200)), dim=1)
+    return idx
+
+
+def decoding(argv):
+    """Tokens/s decoding a GPT-2-124M-shaped model with random weights at batch 1, and what int8
+    weights cost a trained model in out_dir."""
+    cfg = DecodeConfig(**parse_settings(argv, DecodeConfig)[0])
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    torch.set_flush_denormal(True)  # as sample.py runs
+    decode_speed(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+                 device, dtype, cfg.compile)
+    if os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):
+        int8_quality(cfg.out_dir, device)
+    return 0
+
+
+def decode_speed(config, device, dtype, compile=False, news=(64, 256), prompt=16):
+    """The KV cache, no cache, int8 weights and the matrix-vector floor, all measured here and now."""
+    torch.manual_seed(0)
+    weights, autocast = precision(dtype, device)  # as sample.py samples
+    model = Transformer(config).to(device).eval()
+    # int8 from the fp32 weights, as sample.py does; before compiling: a copy would keep the original's step
+    int8 = quantize_int8(copy.deepcopy(model)).to(weights)
+    model.to(weights)
+    if compile:  # each cache size is compiled in the warm-up, not in the timings
+        compile_decode(model, device)
+        compile_decode(int8, device)
+    idx = torch.randint(0, config.vocab_size, (1, prompt), device=device)
+    floor = floor_seconds(model, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"decoding at batch 1: {n_params / 1e6:.1f}M parameters ({config.n_layer} layers, width "
+          f"{config.n_embd}), {precision_name(weights, dtype)} on {device}, {prompt}-token prompt"
+          f"{', compiled decode step' if compile else ''}")
+    print(f"floor (every weight's product once): {floor * 1e3:.1f} ms/token = {1 / floor:.1f} tokens/s")
+    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    int8_bytes = sum(m.weight.numel() + m.scale.numel() * m.scale.element_size() for m in int8.modules()
+                     if isinstance(m, Int8Linear))
+    print(f"Linear weights: {sum(w.numel() * w.element_size() for w in linear) / 2**20:.1f} MiB, "
+          f"int8: {int8_bytes / 2**20:.1f} MiB")
+    with torch.no_grad(), autocast:
+        full, small = model(idx)[0].float(), int8(idx)[0].float()
+    print(f"int8 logits: max |difference| / max |logit| = {((full - small).abs().max() / full.abs().max()).item():.4f}")
+    print(f"{'new tokens':>10} | {'KV cache':>14} | {'no cache':>14} | {'int8 + cache':>14} | "
+          f"{'cache / no cache':>16} | {'ms/token / floor':>16}")
+    with torch.no_grad(), autocast:
+        for n in news if compile else (8,):  # warm up (and compile) outside the timings
+            model.generate(idx, n)
+            int8.generate(idx, n)
+        no_cache_generate(model, idx, 2)
+        for n in news:
+            rates = {}
+            for name, run in (("cache", lambda: model.generate(idx, n, top_k=200)),
+                              ("no cache", lambda: no_cache_generate(model, idx, n)),
+                              ("int8", lambda: int8.generate(idx, n, top_k=200))):
+                rates[name] = n / timed(run, device)[1]
+            print(f"{n:>10} | {rates['cache']:>7.1f} tok/s | {rates['no cache']:>7.1f} tok/s | "
+                  f"{rates['int8']:>7.1f} tok/s | {rates['cache'] / rates['no cache']:>15.1f}x | "
+                  f"{1 / rates['cache'] / floor:>15.2f}x")
+
+
+def int8_quality(out_dir, device, n_batches=50):
+    """What int8 weights cost a trained model: its loss on the same validation batches before and
+    after, and the largest logit difference."""
+    model, ckpt = load_model(os.path.join(out_dir, "ckpt.pt"), device)
+    cfg, meta = ckpt["train_config"], ckpt["meta"]
+    data = np.memmap(os.path.join(cfg["data_dir"], cfg["dataset"], "val.bin"), dtype=meta["dtype"], mode="r")
+    batches = [get_batch(data, model.config.arch, 12, model.config.block_size, batch_rng(0, i), meta["vocab_size"],
+                         cfg["mask_prob"], cfg["noise_density"], cfg["mean_span"]) for i in range(n_batches)]
+    with torch.no_grad():
+        full = [model(**{k: v.to(device) for k, v in b.items()}) for b in batches]
+        quantize_int8(model)
+        small = [model(**{k: v.to(device) for k, v in b.items()}) for b in batches]
+    loss = [sum(out[1].item() for out in outs) / n_batches for outs in (full, small)]
+    rel = max(((a[0] - b[0]).abs().max() / a[0].abs().max()).item() for a, b in zip(full, small))
+    print(f"int8 on {out_dir} ({cfg['dataset']}, {n_batches} val batches of 12): loss {loss[0]:.4f} -> "
+          f"{loss[1]:.4f} ({loss[1] - loss[0]:+.4f}); max |logit difference| / max |logit| = {rel:.4f}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention kernel: python bench.py attention [--seqs 1024 4096] [--dims 64]
+
+def _math_attention(q, k, v, causal):
+    """Attention that writes out the T x T matrix, as model.py's math path does."""
+    s = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5  # (B, H, T, T)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1).to(q.dtype) @ v
+
+
+def _sdpa(q, k, v, causal):
+    """torch's own choice of fused kernel (cuDNN's on an H100, FlashAttention-2 on an A100)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _sdpa_flash(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _triton(q, k, v, causal):
+    return kernels.flash_attention(q, k, v, causal=causal)
+
+
+def _attention_cell(attn, q, k, v, dout, causal):
+    """[forward ms, forward+backward ms, peak MiB above the inputs during forward+backward],
+    each None where the GPU ran out of memory."""
+    from triton.testing import do_bench
+
+    def forward():
+        with torch.no_grad():
+            attn(q, k, v, causal)
+
+    def forward_backward():
+        torch.autograd.grad(attn(q, k, v, causal), (q, k, v), dout)
+
+    def peak_memory():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        forward_backward()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    results = []
+    for measure in (lambda: do_bench(forward, return_mode="median"),
+                    lambda: do_bench(forward_backward, return_mode="median"), peak_memory):
+        try:
+            results.append(measure())
+        except torch.OutOfMemoryError:
+            results.append(None)
+            torch.cuda.empty_cache()
+    return results
+
+
+def _attention_row(methods, D, causal, T, B, H, dtype):
+    """One line of the table: TFLOP/s and MiB of each method, then the kernel's error."""
+    flops = 4 * B * H * T * T * D / (2 if causal else 1)
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    row = f"{D:>4} {str(causal):>6} {T:>6} {B:>4} {H:>3}"
+    for name, attn in methods.items():
+        try:
+            fwd, both, mib = _attention_cell(attn, q, k, v, dout, causal)
+            cells = (fwd and flops / fwd / 1e9, both and 3.5 * flops / both / 1e9, mib)
+            row += " |" + "".join(f" {'OOM' if x is None else f'{x:.{digits}f}':>{width}}"
+                                  for x, width, digits in zip(cells, (15, 7, 7), (1, 1, 0)))
+        except RuntimeError as e:  # e.g. no flash kernel in torch for this GPU or shape
+            print(f"# {name}, D={D}, T={T}: {str(e).splitlines()[0]}", file=sys.stderr)
+            row += f" | {'n/a':>15} {'n/a':>7} {'n/a':>7}"
+    try:
+        with torch.no_grad():
+            err = f"{(_triton(q, k, v, causal) - _sdpa_flash(q, k, v, causal)).abs().max().item():.1e}"
+    except RuntimeError:
+        err = "n/a"
+    return f"{row} | {err:>7}"
+
+
+def attention(argv):
+    """TFLOP/s and memory of kernels.flash_attention against torch's attention, on a CUDA GPU."""
+    parser = argparse.ArgumentParser(prog="bench.py attention",
+                                     description="TFLOP/s and memory of flash_attention against torch (CUDA only)")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="head sizes")
+    parser.add_argument("--tokens", type=int, default=16384, help="batch size * sequence length, kept constant")
+    parser.add_argument("--width", type=int, default=2048, help="heads * head size, kept constant")
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--no-math", action="store_true", help="skip the slow, memory-hungry math path")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or kernels.INTERPRET or not kernels.available:
+        why = ("no CUDA GPU found" if not torch.cuda.is_available() else
+               "TRITON_INTERPRET is set" if kernels.INTERPRET else "triton is not installed")
+        print(f"bench.py attention: needs a CUDA GPU and compiled Triton kernels ({why})", file=sys.stderr)
+        return 2
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    methods = {"triton": _triton, "sdpa": _sdpa, "sdpa-flash": _sdpa_flash}
+    if not args.no_math:
+        methods["math"] = _math_attention
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | {args.dtype}")
+    print(f"B * T = {args.tokens} tokens, H * D = {args.width}. TFLOP/s: forward 4·B·H·T²·D (half that when "
+          f"causal), forward+backward 3.5x the forward.\nMiB: peak memory above the inputs during forward+backward. "
+          f"err: max |triton - sdpa-flash| of the forward output.")
+    header = f"{'D':>4} {'causal':>6} {'T':>6} {'B':>4} {'H':>3}"
+    for name in methods:
+        header += f" | {name + ' fwd':>15} {'fwd+bwd':>7} {'MiB':>7}"
+    print(header + f" | {'err':>7}")
+    print("-" * (len(header) + 10))
+    for D in args.dims:
+        for causal in (False, True):
+            for T in args.seqs:
+                B, H = max(1, args.tokens // T), max(1, args.width // D)
+                print(_attention_row(methods, D, causal, T, B, H, dtype), flush=True)
+                torch.cuda.empty_cache()  # the row's tensors are gone: give their memory back
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+
+BENCHES = {"train": training, "sample": decoding, "attention": attention}
+
+if __name__ == "__main__":
+    name = sys.argv[1] if len(sys.argv) > 1 else None
+    try:
+        if name not in BENCHES:
+            raise UsageError(f"{f'unknown benchmark {name!r}' if name else 'no benchmark named'}: choose one of "
+                             f"{', '.join(BENCHES)}")
+        sys.exit(BENCHES[name](sys.argv[2:]))
+    except UsageError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
