@@ -16,7 +16,7 @@ import torch
 
 import common
 import train
-from test_scripts import HERE, TINY, in_parallel, losses, one_line_error, run
+from test_scripts import HERE, TINY, files_under, in_parallel, losses, one_line_error, run
 from test_scripts import workdir  # noqa: F401  (a fixture)
 
 
@@ -188,7 +188,7 @@ def test_a_resumed_run_may_change_attn_impl_and_dropout_and_says_which_settings_
     d = trained
     shutil.copytree(d / "out-ok", d / "out-kernel")
     for f in ("ckpt.pt", "best.pt"):  # as if trained through the Triton kernel on a GPU
-        ckpt = torch.load(d / "out-kernel" / f, weights_only=False)
+        ckpt = torch.load(d / "out-kernel" / f, weights_only=True)
         ckpt["model_config"]["attn_impl"] = "triton"
         ckpt["model_config"]["linear_impl"] = "onednn"  # a setting of older versions, gone: ignored
         torch.save(ckpt, d / "out-kernel" / f)
@@ -202,13 +202,47 @@ def test_a_resumed_run_may_change_attn_impl_and_dropout_and_says_which_settings_
     # out-ok trained with --eval_interval=2, not given here: said, with the new max_iters (not out_dir)
     assert ("training settings changed from the checkpoint's: weight_decay 0.1 -> 0.05, beta2 0.95 -> 0.5, "
             "max_iters 4 -> 6, eval_interval 2 -> 250\n") in out
-    saved = torch.load(d / "out-kernel" / "ckpt.pt", weights_only=False)
+    saved = torch.load(d / "out-kernel" / "ckpt.pt", weights_only=True)
     assert saved["iter_num"] == 6
     # and the optimizer took them up, not the checkpoint's (matrices decay, gains and biases do not)
     assert [(g["betas"], g["weight_decay"]) for g in saved["optimizer"]["param_groups"]] == [((0.9, 0.5), 0.05),
                                                                                              ((0.9, 0.5), 0.0)]
     assert [saved["model_config"][k] for k in ("attn_impl", "dropout")] == ["auto", 0.1]
     assert "linear_impl" not in saved["model_config"]
+
+
+class RunsCode:
+    """What a malicious checkpoint could carry: an object whose unpickling runs code (here it
+    creates a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_checkpoint_that_would_run_code_when_loaded_is_refused_and_nothing_runs(trained):
+    d = trained
+    marker, planted = d / "code-ran", d / "out-planted"
+    ckpt = torch.load(d / "out-ok" / "ckpt.pt", weights_only=True)
+    ckpt["meta"]["note"] = RunsCode(marker)
+    os.makedirs(planted)
+    for f in ("ckpt.pt", "best.pt"):
+        torch.save(ckpt, planted / f)
+    torch.load(planted / "ckpt.pt", weights_only=False)  # the plant works: unrestricted loading runs it
+    assert marker.exists()
+    marker.unlink()
+    before = files_under(planted)
+    resume = ("train.py", "--dataset=verse", "--out_dir=out-planted", "--init_from=resume", *TINY)
+    results = in_parallel(lambda: run("sample.py", "--out_dir=out-planted", cwd=d),
+                          lambda: run(*resume, "--eval_only=True", cwd=d))
+    results.append(run(*resume, "--max_iters=6", cwd=d))  # it writes: after the others, not beside them
+    for result in results:
+        one_line_error(result, "out-planted/", "holds objects that loading would have to run code for (",
+                       "so it is not loaded")
+    assert not marker.exists()
+    assert {p: b for p, b in files_under(planted).items() if p.name != ".lock"} == before  # nothing changed
 
 
 def test_train_rejects_broken_or_mismatched_checkpoints(trained):
@@ -221,7 +255,7 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
         if data is not None:
             (d / f"out-{name}" / "ckpt.pt").write_bytes(data)
         else:
-            ckpt = torch.load(d / "out-ok" / "ckpt.pt", weights_only=False)
+            ckpt = torch.load(d / "out-ok" / "ckpt.pt", weights_only=True)
             edit(ckpt)
             torch.save(ckpt, d / f"out-{name}" / "ckpt.pt")
 
@@ -379,11 +413,11 @@ def test_killing_the_process_mid_save_leaves_the_previous_checkpoint_loadable(wo
             pass
     p.wait()
     assert partial is not None and os.path.getsize(partial) < os.path.getsize(out / "ckpt.pt")
-    before = torch.load(out / "ckpt.pt", weights_only=False)["iter_num"]
+    before = torch.load(out / "ckpt.pt", weights_only=True)["iter_num"]
     code, log, err = run("train.py", *cmd[2:-3], "--init_from=resume", f"--max_iters={before + 2}",
                          "--log_interval=1", cwd=d)
     assert code == 0, err
-    assert losses(log) and torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == before + 2
+    assert losses(log) and torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == before + 2
     assert not glob.glob(str(out / "*.tmp.*"))  # the half-written file is cleared away
 
 
@@ -448,7 +482,7 @@ def test_sigint_or_sigterm_saves_a_checkpoint_and_exits_cleanly(workdir, sig):  
     p.send_signal(sig)
     out_text, err = p.communicate(timeout=60)
     assert p.returncode == 128 + sig and "Traceback" not in err
-    saved = torch.load(d / out / "ckpt.pt", weights_only=False)["iter_num"]
+    saved = torch.load(d / out / "ckpt.pt", weights_only=True)["iter_num"]
     assert saved >= 20 and f"stopped by {sig.name} at iteration {saved}" in out_text
     code, log, err = run("train.py", *cmd[2:-3], "--init_from=resume", f"--max_iters={saved + 3}",
                          "--eval_interval=1000000", cwd=d)
@@ -474,7 +508,7 @@ def test_ctrl_c_cuts_a_long_evaluation_short_and_the_resumed_run_evaluates_again
         p.kill()
     assert p.returncode == 130 and "Traceback" not in err, err
     assert "stopped by SIGINT at iteration 10" in out and "step 10:" not in out
-    assert torch.load(d / "out-long-eval" / "ckpt.pt", weights_only=False)["iter_num"] == 10
+    assert torch.load(d / "out-long-eval" / "ckpt.pt", weights_only=True)["iter_num"] == 10
     code, log, err = run("train.py", *args, "--max_iters=10", "--init_from=resume", cwd=d)
     assert code == 0 and re.findall(r"step (\d+):", log) == ["10"] and losses(log) == [], err
 
@@ -536,8 +570,8 @@ def test_resuming_halfway_gives_bit_identical_losses_and_weights(workdir, arch, 
                             cwd=d)
     assert code == 0, err
     assert losses(first) + losses(second) == losses(straight) and len(losses(straight)) == 8  # to 4 decimals...
-    a = torch.load(d / f"out-{arch}-straight" / "ckpt.pt", weights_only=False)["model"]
-    b = torch.load(d / f"out-{arch}-halves" / "ckpt.pt", weights_only=False)["model"]
+    a = torch.load(d / f"out-{arch}-straight" / "ckpt.pt", weights_only=True)["model"]
+    b = torch.load(d / f"out-{arch}-halves" / "ckpt.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)  # ...and the weights bit for bit
 
 
@@ -549,12 +583,12 @@ def test_a_non_finite_loss_skips_steps_then_stops_keeping_the_last_good_checkpoi
     assert code == 1 and "Traceback" not in err
     assert "step skipped (3 in a row)" in log
     assert "the loss was not finite for 3 steps in a row; out-nan/ckpt.pt keeps iteration 0" in err
-    ckpt = torch.load(d / "out-nan" / "ckpt.pt", weights_only=False)
+    ckpt = torch.load(d / "out-nan" / "ckpt.pt", weights_only=True)
     assert ckpt["iter_num"] == 0 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
 
 
 def test_the_optimizer_runs_at_the_scheduled_learning_rate(trained):
-    ckpt = torch.load(trained / "out-ok" / "ckpt.pt", weights_only=False)
+    ckpt = torch.load(trained / "out-ok" / "ckpt.pt", weights_only=True)
     scheduled = train.learning_rate(ckpt["iter_num"], common.TrainConfig(**ckpt["train_config"]))
     assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == [scheduled] * 2  # decayed and not
 
@@ -567,8 +601,8 @@ def test_best_checkpoint_is_kept_apart_from_the_latest(workdir):  # noqa: F811
     evals = [(int(i), float(v)) for i, v in re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", log)]
     best_iter, best_val = min(evals, key=lambda e: e[1])
     assert best_iter != evals[-1][0]  # so that best.pt and ckpt.pt must differ
-    best = torch.load(d / "out-bumpy" / "best.pt", weights_only=False)
-    latest = torch.load(d / "out-bumpy" / "ckpt.pt", weights_only=False)
+    best = torch.load(d / "out-bumpy" / "best.pt", weights_only=True)
+    latest = torch.load(d / "out-bumpy" / "ckpt.pt", weights_only=True)
     assert (best["iter_num"], latest["iter_num"]) == (best_iter, 35)
     assert round(best["best_val_loss"], 4) == best_val == round(latest["best_val_loss"], 4)
     assert not torch.equal(best["model"]["lm_head.weight"], latest["model"]["lm_head.weight"])
@@ -586,8 +620,8 @@ def test_two_processes_end_with_the_parameters_of_one_with_the_same_global_batch
     code, log, err = run(torchrun, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
                          "--out_dir=out-two", *args, cwd=d)
     assert code == 0, err
-    a = torch.load(d / "out-one" / "ckpt.pt", weights_only=False)["model"]
-    b = torch.load(d / "out-two" / "ckpt.pt", weights_only=False)["model"]
+    a = torch.load(d / "out-one" / "ckpt.pt", weights_only=True)["model"]
+    b = torch.load(d / "out-two" / "ckpt.pt", weights_only=True)["model"]
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 

@@ -524,3 +524,9 @@ def test_two_process_torchrun_on_cpu_trains_and_ranks_agree(workdir):
     assert code == 0, err
     assert "on 2 x cpu" in log and len(losses(log)) == 4
     assert "ranks agree: max parameter difference 0" in log
+    # its checkpoint is an ordinary one: it samples, and resumes in one process
+    code, text, err = run("sample.py", "--out_dir=out-ddp", "--max_new_tokens=5", "--start=LEAR:", cwd=d)
+    assert code == 0 and text.startswith("LEAR:"), err
+    code, log, err = run("train.py", "--dataset=verse", "--out_dir=out-ddp", "--max_iters=5", "--eval_interval=2",
+                         "--gradient_accumulation_steps=2", "--init_from=resume", *TINY, cwd=d)
+    assert code == 0 and len(losses(log)) == 1, err
