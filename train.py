@@ -207,6 +207,7 @@ class Run:
     raw_model: Transformer  # the model itself, whose weights are saved
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    tokens: dict  # the objectives' special tokens: a mask, a decoder start, sentinels
     rank: int = 0
     world: int = 1
 
@@ -214,7 +215,7 @@ class Run:
 def batch(run, split, gen):
     """A batch of the objective on the run's device, drawn by the generator gen."""
     c, cfg = run.raw_model.config, run.cfg
-    b = get_batch(run.data[split], c.arch, cfg.batch_size, c.block_size, gen, run.meta["vocab_size"],
+    b = get_batch(run.data[split], c.arch, cfg.batch_size, c.block_size, gen, run.tokens, run.meta["vocab_size"],
                   cfg.mask_prob, cfg.noise_density, cfg.mean_span)
     if run.device.type == "cuda":  # pinned memory lets the copy overlap with compute (if contiguous)
         return {k: v.contiguous().pin_memory().to(run.device, non_blocking=True) for k, v in b.items()}
@@ -256,7 +257,7 @@ def save(run, path, iter_num, best_val_loss, evaluated_at):
             save_atomic(dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
                              scaler=run.scaler.state_dict(), model_config=asdict(run.raw_model.config),
                              train_config=asdict(run.cfg), rng=states, meta=run.meta,
-                             tokens=special_tokens(run.meta["vocab_size"]), iter_num=iter_num,
+                             tokens=run.tokens, iter_num=iter_num,
                              best_val_loss=best_val_loss, evaluated_at=evaluated_at), path)
         except UsageError as e:  # a full disk: every rank stops with it (rank 0 says why), rather than
             failed = e  # the others meeting a closed connection at their next collective
@@ -353,6 +354,7 @@ def train(cfg, model_args, held):
     optimizer = configure_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None)  # evaluated_at: the last full eval
+    tokens = special_tokens(meta["vocab_size"])
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -361,7 +363,7 @@ def train(cfg, model_args, held):
             group.update(ours)
         if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
             scaler.load_state_dict(ckpt["scaler"])
-        it = ckpt["iter_num"]
+        it, tokens = ckpt["iter_num"], ckpt["tokens"]
         progress = dict(best_val_loss=ckpt["best_val_loss"], evaluated_at=ckpt.get("evaluated_at", it))
         if len(ckpt["rng"]) == world:  # each rank carries on with its own dropout stream
             set_rng_state(ckpt["rng"][rank], device)
@@ -371,7 +373,7 @@ def train(cfg, model_args, held):
         compiled = DDP(compiled, device_ids=[local_rank] if device.type == "cuda" else None,
                        find_unused_parameters=config.n_expert > 0)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    run = Run(cfg, device, autocast, data, meta, compiled, model, optimizer, scaler, rank, world)
+    run = Run(cfg, device, autocast, data, meta, compiled, model, optimizer, scaler, tokens, rank, world)
     for s in (signal.SIGINT, signal.SIGTERM):  # from now on: a checkpoint, then stop
         signal.signal(s, on_signal)
     return loop(run, it, progress, writes, dtype)
