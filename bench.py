@@ -217,7 +217,7 @@ def decode_speed(config, device, dtype, compile=False, news=(64, 256), prompt=16
 def int8_quality(out_dir, device, n_batches=50):
     """What int8 weights cost a trained model: its loss on the same validation batches before and
     after, and the largest logit difference."""
-    model, ckpt = load_model(os.path.join(out_dir, "ckpt.pt"), device)
+    model, _, ckpt = load_model(out_dir, device, which="latest")
     cfg, meta = ckpt["train_config"], ckpt["meta"]
     data = np.memmap(os.path.join(cfg["data_dir"], cfg["dataset"], "val.bin"), dtype=meta["dtype"], mode="r")
     batches = [get_batch(data, model.config.arch, 12, model.config.block_size, batch_rng(0, i), ckpt["tokens"],

@@ -132,7 +132,7 @@ def usage(doc, *classes, skip=()):
 @dataclass
 class TrainConfig:
     out_dir: str = "out"
-    init_from: str = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
+    init_from: str = "scratch"  # "scratch", "resume" (out_dir/ckpt.pt), or a Hugging Face model directory or name
     dataset: str = "shakespeare_char"  # data/<dataset>, made by prepare.py
     data_dir: str = "data"
     # batches: gradient_accumulation_steps * batch_size * block_size tokens per step, over all ranks
@@ -170,7 +170,7 @@ class TrainConfig:
 
 
 # the values each of train.py's settings may take, beyond its type (grad_clip=0: no clipping)
-TRAIN_RANGES = dict(init_from=("scratch", "resume"), backend=("auto", "nccl", "gloo"), batch_size="[1, inf)",
+TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), batch_size="[1, inf)",
               gradient_accumulation_steps="[1, inf)", eval_interval="[1, inf)", eval_iters="[1, inf)",
               log_interval="[1, inf)", max_bad_steps="[1, inf)", max_iters="[0, inf)", warmup_iters="[0, inf)",
               lr_decay_iters="[0, inf)", learning_rate="[0, inf)", min_lr="[0, inf)", weight_decay="[0, inf)",
@@ -344,18 +344,26 @@ def load_checkpoint(path, hint=None):
     return ckpt
 
 
-def load_model(path, device, dtype=torch.float32, quantize="", hint=None):
-    """The model of the checkpoint at path (its weights in dtype; its Linear layers in int8 with
-    quantize="int8"), in eval mode, with the checkpoint itself."""
-    ckpt = load_checkpoint(path, hint)
-    config = ModelConfig(**ckpt["model_config"])
-    if config.attn_impl == "triton" and device.type != "cuda":  # trained through the kernel on a GPU:
-        config.attn_impl = "auto"  # the same attention, through torch's SDPA here
-    model = Transformer(config)
-    model.load_state_dict(ckpt["model"])
+def load_model(out_dir, device, dtype=torch.float32, quantize="", which="best", init_from="resume"):
+    """The model to sample from, in eval mode, its weights in dtype (its Linear layers in int8 with
+    quantize="int8"), with its tokenizer and its checkpoint: out_dir's best.pt ("best"; ckpt.pt if
+    there is none) or ckpt.pt ("latest"), or a Hugging Face model (init_from: a directory or name)."""
+    if init_from != "resume":
+        import hf  # reads safetensors, which only Hugging Face models need
+        model, ckpt = hf.load_pretrained(init_from, torch.device("cpu"), torch.float32)
+    else:
+        path = {"best": os.path.join(out_dir, "best.pt"), "latest": os.path.join(out_dir, "ckpt.pt")}
+        which = "latest" if which == "best" and not os.path.exists(path["best"]) else which
+        other = "latest" if which == "best" else "best"
+        ckpt = load_checkpoint(path[which], f"try --ckpt={other}" if os.path.exists(path[other]) else None)
+        config = ModelConfig(**ckpt["model_config"])
+        if config.attn_impl == "triton" and device.type != "cuda":  # trained through the kernel on a GPU:
+            config.attn_impl = "auto"  # the same attention, through torch's SDPA here
+        model = Transformer(config)
+        model.load_state_dict(ckpt["model"])
     if quantize == "int8":
         quantize_int8(model)  # from the fp32 weights: one rounding, not two
-    return model.to(device=device, dtype=dtype).eval(), ckpt
+    return model.to(device=device, dtype=dtype).eval(), Tokenizer(ckpt["meta"]), ckpt
 
 
 def precision(dtype, device):
@@ -470,17 +478,18 @@ def gpt2_encoding():
 
 def tokenizer_meta(name):
     """What a dataset's meta.json (and so every checkpoint) records of the tokenizer called name:
-    "char" (the vocabulary comes from the text), "gpt2", or a Hugging Face model directory, whose
-    tokenizer.json it carries whole (GPT-2's own directories take tiktoken's "gpt2")."""
+    "char" (the vocabulary comes from the text), "gpt2", or a Hugging Face model directory: for a
+    GPT-2 of GPT-2's vocabulary tiktoken's "gpt2" (the same BPE), else its tokenizer.json, carried whole."""
     if name in ("char", "gpt2"):
         return dict(tokenizer=name)
-    path = os.path.join(name, "tokenizer.json")
     with suppress(OSError, ValueError):
         with open(os.path.join(name, "config.json")) as f:
-            if json.load(f).get("model_type") == "gpt2":
-                return dict(tokenizer="gpt2")
+            config = json.load(f)
+        if config.get("model_type") == "gpt2" and config.get("vocab_size") == 50257:
+            return dict(tokenizer="gpt2")
+    path = os.path.join(name, "tokenizer.json")
     if not os.path.isfile(path):
-        raise UsageError(f"tokenizer {name!r} is not char, gpt2 or a Hugging Face model directory with a "
+        raise UsageError(f"tokenizer {str(name)!r} is not char, gpt2 or a Hugging Face model directory with a "
                          "tokenizer.json: give one of those")
     with open(path, encoding="utf-8") as f:
         return dict(tokenizer="hf", tokenizer_json=f.read())
@@ -516,9 +525,10 @@ class Tokenizer:
         """Characters of text that a character-level vocabulary cannot encode."""
         return sorted(set(text) - set(self.stoi)) if self.kind == "char" else []
 
-    def encode(self, text):
+    def encode(self, text, special=False):
+        """text's ids; special: with the tokens a Hugging Face tokenizer adds to a whole input (BOS)."""
         if self.kind == "hf":
-            return self.enc.encode(text, add_special_tokens=False).ids
+            return self.enc.encode(text, add_special_tokens=special).ids
         return [self.stoi[ch] for ch in text] if self.kind == "char" else self.enc.encode_ordinary(text)
 
     def decode(self, ids):
@@ -529,15 +539,25 @@ class Tokenizer:
         return self.enc.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def streamer(self):
-        """A function from one token id to the text it completes (a token may end mid-character)."""
-        if self.kind == "hf":
-            from tokenizers.decoders import DecodeStream
-            stream = DecodeStream(skip_special_tokens=False)
-            return lambda i: (stream.step(self.enc, i) or "") if i < self.vocab_size else ""
+        """A function from each next token id to the text it completes (a token may end mid-character:
+        that text waits for the rest), and from None at the end to what is still held back."""
         if self.kind == "char":
-            return lambda i: self.chars[i] if i < self.vocab_size else ""
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return lambda i: decoder.decode(self.enc.decode_bytes([i])) if i < self.vocab_size else ""
+            return lambda i: self.chars[i] if i is not None and i < self.vocab_size else ""
+        if self.kind == "gpt2":
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            return lambda i: decoder.decode(b"" if i is None or i >= self.vocab_size else self.enc.decode_bytes([i]),
+                                            final=i is None)
+        ids, shown = [], [0]  # a Hugging Face decoder maps a whole sequence to text: decode it and show what is new
+
+        def step(i):
+            if i is not None and i < self.vocab_size:
+                ids.append(i)
+            text = self.decode(ids)
+            if i is not None and text.endswith("\ufffd"):  # maybe the first bytes of a character
+                return ""
+            new, shown[0] = text[shown[0]:], len(text)
+            return new
+        return step
 
 
 # ----------------------------------------------------------------------------------------------

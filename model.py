@@ -4,7 +4,7 @@ nanoformer: the transformer family in one file, to be read top to bottom.
 One config expresses GPT-2, BERT, T5, Llama and the original Transformer:
   GPT-2     arch="decoder", pos="learned", norm="layernorm", mlp="gelu"
   nanoGPT   GPT-2 with bias=False, gelu_approximate="none"
-  BERT      arch="encoder", pos="learned", norm_first=False
+  BERT      arch="encoder", pos="learned", norm_first=False, lm_head_bias=True
   T5        arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp="relu" or "geglu", bias=False
   Llama     arch="decoder", pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_head < n_head, bias=False
   Vaswani   arch="encoder-decoder", pos="sinusoidal", norm_first=False, mlp="relu" (plus BERT's
@@ -57,6 +57,7 @@ class ModelConfig:
     bias: bool = True  # biases in Linear and LayerNorm (GPT-2, BERT: True; Llama, T5: False)
     dropout: float = 0.0
     tie_embeddings: bool = True  # the output layer reuses the token embedding matrix
+    lm_head_bias: bool = False  # a bias on the output logits (BERT's)
     attn_impl: str = "auto"  # "auto" (fastest here), "triton" (kernels.py), "sdpa" (torch's), "math"
 
     def __post_init__(self):
@@ -294,7 +295,6 @@ class Attention(nn.Module):
         return self.heads(self.c_kv(memory)).chunk(2, dim=1)  # k, v (B, n_kv_head, S, hs)
 
     def forward(self, x, mask=Mask(), rope=None, memory=None):
-        B, T, _ = x.shape
         c = self.config
         if self.cross:  # keys and values of the encoder's output: computed once when generating
             q = self.heads(self.c_q(x))
@@ -306,10 +306,10 @@ class Attention(nn.Module):
             if self.kv_cache is not None:
                 k, v = self.kv_cache(k, v)
         dropout = c.dropout if self.training else 0.0
-        y, att = attention(q, k, v, mask, attn_impl(c, x.device, self.training, mask, T), dropout)
+        y, att = attention(q, k, v, mask, attn_impl(c, x.device, self.training, mask, x.size(1)), dropout)
         if att is not None:
             self.att = att.detach()
-        y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)  # heads side by side
+        y = y.transpose(1, 2).flatten(2)  # (B, nh, T, hs) -> (B, T, nh * hs): heads side by side
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -495,7 +495,7 @@ class Transformer(nn.Module):
         # BERT transforms the hidden state once more before predicting
         self.mlm_head = nn.Sequential(nn.Linear(C, C, bias=config.bias), nn.GELU(config.gelu_approximate),
                                       make_norm(config)) if config.arch == "encoder" else None
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(C, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:  # one matrix reads and writes tokens (Press & Wolf 2017)
             self.lm_head.weight = self.wte.weight
         for m in self.modules():  # GPT-2's initialisation

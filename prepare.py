@@ -211,26 +211,27 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
 def write_dataset(out, paths, total, tokenizer, workers, about):
     """Tokenize the text in paths into out/{train,val}.bin, then write meta.json (last: done)."""
     start = time.time()
-    if tokenizer == "char":  # a first pass collects the alphabet
+    meta = tokenizer_meta(tokenizer)
+    kind = meta["tokenizer"]
+    if kind == "char":  # a first pass collects the alphabet
         chars = set()
         for _, text in read_text(paths, total):
             chars.update(text)
         vocab = sorted(chars)
         codepoints = np.array([ord(c) for c in vocab], dtype=np.uint32)
-        meta = dict(tokenizer="char", vocab_size=len(vocab), vocab=vocab)
-    elif tokenizer == "gpt2":
+        meta.update(vocab_size=len(vocab), vocab=vocab)
+    elif kind == "gpt2":
         gpt2_encoding()  # fetch the BPE files once, before the workers need them
-        meta = dict(tokenizer="gpt2", vocab_size=50257)
+        meta.update(vocab_size=50257)
     else:  # a Hugging Face tokenizer.json, which runs its own threads
-        meta = tokenizer_meta(tokenizer)
         enc = hf_tokenizer(meta["tokenizer_json"])
-        meta["vocab_size"] = enc.get_vocab_size()
+        meta.update(vocab_size=enc.get_vocab_size())
     dtype = np.uint16 if meta["vocab_size"] <= 1 << 16 else np.uint32
 
     def encode_all(pieces, pool):
-        if tokenizer == "char":  # code points -> ids by binary search in the sorted alphabet
+        if kind == "char":  # code points -> ids by binary search in the sorted alphabet
             return [np.searchsorted(codepoints, np.frombuffer(t.encode("utf-32-le"), np.uint32)) for t in pieces]
-        if tokenizer != "gpt2":
+        if kind == "hf":
             return [np.array(e.ids, dtype=np.int64) for e in enc.encode_batch(pieces, add_special_tokens=False)]
         return pool.map(_encode_gpt2, pieces)
 
@@ -239,7 +240,7 @@ def write_dataset(out, paths, total, tokenizer, workers, about):
     done, last, pool = 0, start, None  # progress after a second: a small input shows only the summary
     try:
         with signals_held():  # until each worker has set its own handlers: forked ones start with ours
-            pool = Pool(workers, initializer=ignore_signals) if tokenizer == "gpt2" else None
+            pool = Pool(workers, initializer=ignore_signals) if kind == "gpt2" else None
         with open(os.path.join(out, "train.bin.tmp"), "wb") as train_f, \
                 open(os.path.join(out, "val.bin.tmp"), "wb") as val_f:
             files = dict(train=train_f, val=val_f)

@@ -8,6 +8,7 @@ Sample from a trained model; the text streams to stdout as it is generated.
     python sample.py --out_dir=out-shakespeare-char --draft_dir=out-small              # speculative
     python sample.py --out_dir=out-shakespeare-char --quantize=int8 --attention=attn.html
     python sample.py --out_dir=out-shakespeare-char-bert --start="To be, or not to be: [MASK][MASK][MASK][MASK] is the question"
+    python sample.py --init_from=gpt2 --start="Hello"          # a Hugging Face model: a directory or a hub name
 
 A decoder continues the prompt. An encoder (masked LM) fills each [MASK] with one token; an
 encoder-decoder (span corruption) fills each [MASK] with a span of any length.
@@ -29,8 +30,8 @@ if __name__ == "__main__":
 
 import torch
 
-from common import (Tokenizer, UsageError, check_ranges, compile_decode, load_model, out_of_memory, parse_settings,
-                    pick_device, pick_dtype, precision, precision_name, timed, usage)
+from common import (UsageError, check_ranges, compile_decode, load_model, out_of_memory, parse_settings, pick_device,
+                    pick_dtype, precision, precision_name, timed, usage)
 from model import Int8Linear, sample, speculative_generate
 
 MASK = "[MASK]"
@@ -40,6 +41,7 @@ PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.html"
 @dataclass
 class SampleConfig:
     out_dir: str = "out"
+    init_from: str = "resume"  # "resume" (the run in out_dir), or a Hugging Face model directory or hub name
     ckpt: str = "best"  # "best" (lowest val loss, best.pt) or "latest" (ckpt.pt)
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = 1
@@ -74,18 +76,6 @@ def check(cfg):
                          "give a path such as attn.html")  # found out now, not after sampling
 
 
-def load(out_dir, which, device, dtype=torch.float32, quantize=""):
-    """The model of out_dir's best.pt ("best", or ckpt.pt if there is none) or ckpt.pt ("latest"),
-    its tokenizer and its checkpoint."""
-    path = {"best": os.path.join(out_dir, "best.pt"), "latest": os.path.join(out_dir, "ckpt.pt")}
-    if which == "best" and not os.path.exists(path["best"]):
-        which = "latest"
-    other = "latest" if which == "best" else "best"
-    model, ckpt = load_model(path[which], device, dtype, quantize,
-                             hint=f"try --ckpt={other}" if os.path.exists(path[other]) else None)
-    return model, Tokenizer(ckpt["meta"]), ckpt
-
-
 def main(argv):
     if {"-h", "--help"} & set(argv):
         print(usage(__doc__, SampleConfig))
@@ -96,7 +86,7 @@ def main(argv):
     dtype = pick_dtype(cfg.dtype, device)
     torch.set_flush_denormal(True)  # softmax tails leave denormal floats, which x86 CPUs handle far slower
     weights, autocast = precision(dtype, device)
-    model, tok, ckpt = load(cfg.out_dir, cfg.ckpt, device, weights, cfg.quantize)
+    model, tok, ckpt = load_model(cfg.out_dir, device, weights, cfg.quantize, cfg.ckpt, cfg.init_from)
     if cfg.compile:
         compile_decode(model, device)
     prompt = read_prompt(cfg.start)
@@ -149,7 +139,7 @@ def read_prompt(start):
 
 
 def encode_prompt(model, tok, prompt):
-    ids = tok.encode(prompt)
+    ids = tok.encode(prompt, special=True)
     if not ids:
         raise UsageError("the prompt is empty: give --start some text (the default is a newline)")
     block = model.config.block_size
@@ -171,6 +161,7 @@ def continue_text(model, tok, special, prompt, cfg, device):
         t = t.item()  # printing as we go needs the token on the host
         ids.append(t)
         write(text(t))
+    write(text(None))
     return cfg.max_new_tokens, dict(idx=ids)
 
 
@@ -200,7 +191,7 @@ def continue_batch(model, tok, prompts, cfg, device):
 
 def speculate(model, tok, prompt, cfg, device):
     """Speculative decoding with the draft in --draft_dir, timed against the target alone."""
-    draft, draft_tok, _ = load(cfg.draft_dir, cfg.ckpt, device, model.wte.weight.dtype, cfg.quantize)
+    draft, draft_tok, _ = load_model(cfg.draft_dir, device, model.wte.weight.dtype, cfg.quantize, cfg.ckpt)
     if draft_tok.kind != tok.kind or draft_tok.vocab_size != tok.vocab_size or (
             tok.kind == "char" and draft_tok.chars != tok.chars):
         raise UsageError(f"the draft in {cfg.draft_dir} has another vocabulary than the target: train it on "
@@ -282,6 +273,7 @@ def fill_spans(model, tok, special, prompt, cfg, device):
                 break
         elif t < tok.vocab_size and t not in sentinels:
             write(text(t))
+    write(text(None))
     for piece in pieces[shown + 1:]:  # spans the model did not close
         write(piece)
     return len(out) - 1, dict(idx=out, src=ids)

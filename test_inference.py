@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import bench
+import common
 import sample as sample_py
 from model import (Int8Linear, ModelConfig, Transformer, accept_or_resample, quantize_int8,
                    speculative_generate)
@@ -282,7 +283,7 @@ def test_sample_in_bf16_holds_the_weights_in_bf16_with_or_without_a_draft(target
                                                          lambda: run("sample.py", *args, "--draft_dir=out-draft", cwd=d))
     assert code == 0 and code2 == 0, err + err2
     assert "(decoder, cpu, bfloat16 weights)" in err  # cast once, not by autocast at every token
-    model, tok, _ = sample_py.load(str(d / "out-target"), "best", torch.device("cpu"), torch.bfloat16)
+    model, tok, _ = common.load_model(str(d / "out-target"), torch.device("cpu"), torch.bfloat16)
     out = model.generate(torch.tensor([tok.encode("LEAR:")]), 20, temperature=0)
     assert text.split("\n---------------\n")[0] == tok.decode(out[0].tolist())
     assert fast == text  # the draft, loaded in the target's dtype: greedy, the same text
@@ -296,7 +297,7 @@ def test_sample_int8_and_attention_page(target_and_draft):
     data = page_data(d / "attn.html")
     assert [len(k["queries"]) for k in data["kinds"]] == [len("LEAR:") + 10]
     # the same here: the int8 model's greedy text, and each layer's weights (in units of 1e-4)
-    model, tok, _ = sample_py.load(str(d / "out-target"), "best", torch.device("cpu"))
+    model, tok, _ = common.load_model(str(d / "out-target"), torch.device("cpu"))
     assert f"{sum(isinstance(m, nn.Linear) for m in model.modules())} Linear layers in int8" in err
     quantize_int8(model)
     out = model.generate(torch.tensor([tok.encode("LEAR:")]), 10, temperature=0)

@@ -278,9 +278,9 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
                cwd=d)[0] == 0
     cases = [
         (("out-ok", "--n_layer=3"),
-         ["--n_layer=3 does not match the checkpoint's n_layer=2", "set --n_layer=2 or drop it"]),
+         ["--n_layer=3 does not match out-ok/ckpt.pt's n_layer=2", "set --n_layer=2 or drop it"]),
         (("out-old", "--gelu_approximate=none"),
-         ["--gelu_approximate='none' does not match the checkpoint's gelu_approximate='tanh'"]),
+         ["--gelu_approximate='none' does not match out-old/ckpt.pt's gelu_approximate='tanh'"]),
         (("out-ok-copy", "--dataset=verse-at"), ["was trained on other data"]),
         (("out-lacking",), ["out-lacking/ckpt.pt is not a nanoformer checkpoint (it lacks ['optimizer'])"]),
         (("out-newer",), ["model settings this model.py does not know (qk_norm)", "newer nanoformer"]),

@@ -531,3 +531,122 @@ def test_two_process_torchrun_on_cpu_trains_and_ranks_agree(workdir):
     code, log, err = run("train.py", "--dataset=verse", "--out_dir=out-ddp", "--max_iters=5", "--eval_interval=2",
                          "--gradient_accumulation_steps=2", "--init_from=resume", *TINY, cwd=d)
     assert code == 0 and len(losses(log)) == 1, err
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face models on the command line: sample, finetune, export
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    """A random GPT-2 of transformers' (GPT-2's own vocabulary, 64 positions), saved as the hub holds it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2))
+    with torch.no_grad():
+        for p in hf.parameters():  # every tensor random, norms and biases too: a swapped one shows
+            p.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
+    hf.save_pretrained(path)
+    return path, hf.eval()
+
+
+@pytest.mark.skipif(not gpt2_files_cached(), reason="GPT-2 BPE files not cached (.ci/run fetches them)")
+def test_sample_continues_a_pretrained_gpt2_as_transformers_greedy_generate_does(workdir, tiny_gpt2):
+    d, _ = workdir
+    path, hf = tiny_gpt2
+    enc = common.gpt2_encoding()
+    prompt = "ROMEO: what light"
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([enc.encode_ordinary(prompt)]), do_sample=False, max_new_tokens=20,
+                           pad_token_id=0)[0, -20:].tolist()
+    code, text, err = run("sample.py", f"--init_from={path}", f"--start={prompt}", "--max_new_tokens=20",
+                          "--temperature=0", cwd=d, env={"HF_HUB_OFFLINE": "1"})
+    assert code == 0, err
+    assert text.split("\n---------------\n")[0] == prompt + enc.decode(want)
+
+
+@pytest.mark.skipif(not gpt2_files_cached(), reason="GPT-2 BPE files not cached (.ci/run fetches them)")
+def test_train_finetunes_a_pretrained_gpt2_from_its_own_loss_then_resumes_samples_and_exports(workdir, tiny_gpt2):
+    d, _ = workdir
+    path, hf = tiny_gpt2
+    assert run("prepare.py", "text", "--input", "texts/*.txt", "--name", "verse_gpt2", "--tokenizer", str(path),
+               cwd=d)[0] == 0  # GPT-2's own directory: tiktoken's gpt2 encoding
+    args = ["--dataset=verse_gpt2", "--out_dir=out-finetune", f"--init_from={path}", *TINY, "--eval_interval=6",
+            "--dropout=0.1"]
+    code, log, err = run("train.py", *args, "--max_iters=6", cwd=d)  # TINY's block_size=16: 16 of 64 positions
+    assert code == 0, err
+    # the first evaluation is the pretrained model's own loss on the same batches, through transformers
+    data = np.memmap(d / "data" / "verse_gpt2" / "val.bin", dtype=np.uint16, mode="r")
+    tokens = common.special_tokens(50257)
+    with torch.no_grad():
+        hf_loss = np.mean([torch.nn.functional.cross_entropy(hf(b["idx"]).logits.flatten(0, 1), b["targets"].flatten())
+                           for k in range(2) for b in [common.get_batch(data, "decoder", 4, 16,
+                                                                        common.eval_rng(1337, True, 0, k), tokens, 50257)]])
+    first, last = (float(v) for v in re.findall(r"step \d+: train loss \S+, val loss ([\d.]+)", log))
+    assert first == pytest.approx(hf_loss, abs=1e-4) and last < first
+    saved = torch.load(d / "out-finetune" / "ckpt.pt", weights_only=True)
+    assert saved["model_config"]["block_size"] == 16 and saved["model_config"]["dropout"] == 0.1
+    assert saved["model"]["decoder.wpe.weight"].shape == (16, 32)  # the position table, cropped
+    code, log, err = run("train.py", *args[:2], *TINY, "--eval_interval=6", "--dropout=0.1", "--init_from=resume",
+                         "--max_iters=8", cwd=d)
+    assert code == 0 and len(losses(log)) == 2, err
+    code, text, err = run("sample.py", "--out_dir=out-finetune", "--start=LEAR:", "--max_new_tokens=5", cwd=d)
+    assert code == 0 and text.startswith("LEAR:"), err
+    # export: transformers reads the finetuned model with our logits
+    code, out, err = run("hf.py", "export", "out-finetune", "hf-finetune", cwd=d)
+    assert code == 0, err
+    import transformers
+    mine, _, _ = common.load_model(str(d / "out-finetune"), torch.device("cpu"))  # best.pt, as exported
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(d / "hf-finetune").eval()
+    idx = torch.randint(0, 50257, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, mine(idx)[0], atol=1e-4, rtol=1e-4)
+
+
+def test_finetuning_refuses_what_the_pretrained_model_does_not_fit_in_one_line(workdir, tiny_gpt2):
+    d, _ = workdir
+    path, _ = tiny_gpt2
+    finetune = lambda i, *a: run("train.py", f"--out_dir=out-refused-{i}", f"--init_from={path}", *TINY, *a,  # noqa: E731
+                                 cwd=d, env={"HF_HUB_OFFLINE": "1"})
+    cases = [(("--dataset=verse", "--n_layer=3"), [f"--n_layer=3 does not match {path}'s n_layer=2"]),
+             (("--dataset=verse", "--block_size=128"), [f"--block_size=128 does not match {path}'s block_size=64"]),
+             (("--dataset=verse",), ["dataset 'verse' was not prepared with", "--tokenizer"])]
+    results = in_parallel(*(lambda i=i, a=a: finetune(i, *a) for i, (a, _) in enumerate(cases)))
+    for (args, fragments), result in zip(cases, results):
+        one_line_error(result, *fragments)
+    one_line_error(run("sample.py", "--init_from=no/such/model", cwd=d, env={"HF_HUB_OFFLINE": "1"}),
+                   "'no/such/model'")
+    assert not list(d.glob("out-refused*"))
+
+
+def test_prepare_takes_a_hugging_face_tokenizer_and_sample_streams_its_text(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    text = corpus(600)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(text.splitlines(), tokenizers.trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    model_dir = tmp_path / "tiny-llama"
+    llama.save_pretrained(model_dir)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    code, _, err = run("prepare.py", "text", "--input", "t.txt", "--name", "t", "--tokenizer", str(model_dir),
+                       cwd=tmp_path)
+    assert code == 0, err
+    train_ids, meta = read_split(tmp_path, "t", "train")
+    val_ids, _ = read_split(tmp_path, "t", "val")
+    assert meta["tokenizer"] == "hf" and meta["vocab_size"] == tok.get_vocab_size()
+    assert tok.decode(train_ids.tolist()) + tok.decode(val_ids.tolist()) == text
+    code, out, err = run("sample.py", f"--init_from={model_dir}", "--start=LEAR:", "--max_new_tokens=12",
+                         "--temperature=0", cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert code == 0, err
+    with torch.no_grad():
+        ids = llama.generate(torch.tensor([tok.encode("LEAR:").ids]), do_sample=False, max_new_tokens=12,
+                             pad_token_id=0)[0].tolist()
+    assert out.split("\n---------------\n")[0] == tok.decode(ids)  # streamed piece by piece, the same text

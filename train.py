@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import hf
 import kernels
 from common import (N_SENTINEL, TRAIN_RANGES, TrainConfig, UsageError, batch_rng, check_ranges, configure_optimizer,
                     eval_rng, flops_per_token, get_batch, load_checkpoint, load_data, model_vocab_size,
@@ -134,27 +135,34 @@ def remove_if_unused(path):
 
 
 def model_config_of(cfg, model_args, meta, ckpt):
-    """The model's settings: from the command line for a new run, from the checkpoint to resume
-    (where only RUN_TIME settings may change)."""
+    """The model's settings: from the command line for a new run; else from the checkpoint to
+    resume, or the pretrained model to finetune, where only RUN_TIME settings may change (and a
+    pretrained model's block_size may shrink: its position table is cropped)."""
+    source = f"{cfg.out_dir}/ckpt.pt" if cfg.init_from == "resume" else cfg.init_from
     try:
         if ckpt is None:
             arch = model_args.get("arch", ModelConfig.arch)
             return ModelConfig(vocab_size=model_vocab_size(arch, meta["vocab_size"]), **model_args)
         config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
-        config = replace(config, **{k: v for k, v in model_args.items() if k in RUN_TIME})
+        may_change = RUN_TIME + ("block_size",) * (cfg.init_from != "resume" and
+                                                   model_args.get("block_size", 0) <= config.block_size)
+        config = replace(config, **{k: v for k, v in model_args.items() if k in may_change})
     except ValueError as e:
         raise UsageError(f"bad model settings: {e}") from None
     saved = asdict(config)
     for k, want in model_args.items():  # from the command line or the config file
         if saved[k] != want:
-            raise UsageError(f"--{k}={want!r} does not match the checkpoint's {k}={saved[k]!r}: set "
-                             f"--{k}={saved[k]!r} or drop it to resume, or use another --out_dir to start a new run")
-    if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab")):  # vocab: chars
-        raise UsageError(f"{cfg.out_dir}/ckpt.pt was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
+            raise UsageError(f"--{k}={want!r} does not match {source}'s {k}={saved[k]!r}: set --{k}={saved[k]!r} or "
+                             "drop it, or train a new model (--init_from=scratch) in another --out_dir")
+    if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab", "tokenizer_json")):
+        if cfg.init_from != "resume":
+            raise UsageError(f"dataset {cfg.dataset!r} was not prepared with {source}'s tokenizer: prepare it with "
+                             f"python prepare.py text --input ... --tokenizer {source}")
+        raise UsageError(f"{source} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
                          f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with its --dataset")
     # as in nanoGPT, training settings come from the command line and config file, not the
     # checkpoint: say which differ, so that a resume without the run's config file is noticed
-    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in ckpt["train_config"].items()
+    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in ckpt.get("train_config", {}).items()
                if k not in ("init_from", "out_dir") and hasattr(cfg, k) and getattr(cfg, k) != v]
     if changed:
         log("resuming with training settings changed from the checkpoint's: " + ", ".join(changed))
@@ -333,16 +341,19 @@ def train(cfg, model_args, held):
     if MASTER and writes:  # take out_dir, and find out now that it takes files, not at the first checkpoint
         prepare_out_dir(cfg.out_dir, held)
     ckpt_path, best_path = (os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt"))
-    if writes and cfg.init_from == "scratch":
+    if writes and cfg.init_from != "resume":
         for p in (ckpt_path, best_path):
             if os.path.exists(p):
                 raise UsageError(f"{p} holds a run that a new one would overwrite: continue it with "
                                  "--init_from=resume, or choose another --out_dir (or delete it)")
     data, meta = load_data(cfg.data_dir, cfg.dataset)
-    ckpt = None
+    ckpt = None  # what the model starts from: a checkpoint to resume, or a pretrained model's weights
     if cfg.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path, f"copy {best_path} to {ckpt_path} to resume from the best checkpoint"
                                if os.path.exists(best_path) else None)
+    elif cfg.init_from != "scratch":
+        model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"))
+        ckpt["model"] = model.state_dict()
     config = model_config_of(cfg, model_args, meta, ckpt)
     check_fits(config, cfg, data, device)
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
@@ -356,18 +367,22 @@ def train(cfg, model_args, held):
     it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None)  # evaluated_at: the last full eval
     tokens = special_tokens(meta["vocab_size"])
     if ckpt is not None:
+        for k in [k for k in ckpt["model"] if k.endswith("wpe.weight")]:  # a shorter block_size: fewer positions
+            ckpt["model"][k] = ckpt["model"][k][: config.block_size]
         model.load_state_dict(ckpt["model"])
+        tokens = ckpt["tokens"]
+    if cfg.init_from == "resume":
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])  # the moments, and the checkpoint's betas and decay...
         for group, ours in zip(optimizer.param_groups, settings):  # ...which give way to this run's, as logged
             group.update(ours)
         if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
             scaler.load_state_dict(ckpt["scaler"])
-        it, tokens = ckpt["iter_num"], ckpt["tokens"]
+        it = ckpt["iter_num"]
         progress = dict(best_val_loss=ckpt["best_val_loss"], evaluated_at=ckpt.get("evaluated_at", it))
         if len(ckpt["rng"]) == world:  # each rank carries on with its own dropout stream
             set_rng_state(ckpt["rng"][rank], device)
-        del ckpt
+    del ckpt
     compiled = torch.compile(model) if cfg.compile else model
     if ddp:  # experts a batch does not route to get no gradient, which DDP must be told
         compiled = DDP(compiled, device_ids=[local_rank] if device.type == "cuda" else None,

@@ -1,0 +1,504 @@
+"""
+Hugging Face checkpoints in and out.
+
+    from hf import from_pretrained, save_pretrained
+    model = from_pretrained("path/to/hf-dir")   # config.json + safetensors (or pytorch_model.bin)
+    save_pretrained(model, "path/to/out")        # transformers' Auto* classes load it: same logits
+
+    python hf.py export OUT_DIR HF_DIR           # a run's checkpoint -> a Hugging Face directory
+
+Each family is a name map, read once: our parameter -> the Hugging Face tensors it is made of
+(several are concatenated along their first dim: q, k, v into c_attn). The few transformations
+that names cannot say are exact, and noted at each map: GPT-2's transposed Conv1D weights, BERT's
+token type 0 folded into the position table, T5's unscaled attention and v1.0's scaled decoder
+output folded into weights. Anything else is refused with a one-line HFError that names the
+feature and the way out. transformers is never imported here.
+"""
+
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from common import Tokenizer, UsageError, load_model, special_tokens, tokenizer_meta
+from model import Int8Linear, ModelConfig, Transformer
+
+
+class HFError(ValueError):
+    """A checkpoint this module cannot read or write: one line, the problem and the way out."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The name maps: ours -> Hugging Face's. {i} is the layer. A key names a module whose weight and
+# bias map alike, or one parameter; a list is concatenated along the first dim.
+
+GPT2 = {  # GPT2LMHeadModel. Its Conv1D layers store weights transposed: (in, out)
+    "wte": "transformer.wte",
+    "decoder.wpe": "transformer.wpe",
+    "decoder.h.{i}.ln_1": "transformer.h.{i}.ln_1",
+    "decoder.h.{i}.attn.c_attn": "transformer.h.{i}.attn.c_attn",
+    "decoder.h.{i}.attn.c_proj": "transformer.h.{i}.attn.c_proj",
+    "decoder.h.{i}.ln_2": "transformer.h.{i}.ln_2",
+    "decoder.h.{i}.mlp.c_fc": "transformer.h.{i}.mlp.c_fc",
+    "decoder.h.{i}.mlp.c_proj": "transformer.h.{i}.mlp.c_proj",
+    "decoder.ln_f": "transformer.ln_f",
+    "lm_head": "lm_head",
+}
+CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+
+BERT = {  # BertForMaskedLM. Token type 0's embedding is folded into the position table
+    "wte": "bert.embeddings.word_embeddings",
+    "encoder.wpe": "bert.embeddings.position_embeddings",
+    "encoder.ln_f": "bert.embeddings.LayerNorm",  # a post-norm stack normalises its input
+    "encoder.h.{i}.attn.c_attn": [f"bert.encoder.layer.{{i}}.attention.self.{x}" for x in ("query", "key", "value")],
+    "encoder.h.{i}.attn.c_proj": "bert.encoder.layer.{i}.attention.output.dense",
+    "encoder.h.{i}.ln_1": "bert.encoder.layer.{i}.attention.output.LayerNorm",
+    "encoder.h.{i}.mlp.c_fc": "bert.encoder.layer.{i}.intermediate.dense",
+    "encoder.h.{i}.mlp.c_proj": "bert.encoder.layer.{i}.output.dense",
+    "encoder.h.{i}.ln_2": "bert.encoder.layer.{i}.output.LayerNorm",
+    "mlm_head.0": "cls.predictions.transform.dense",
+    "mlm_head.2": "cls.predictions.transform.LayerNorm",
+    "lm_head.weight": "cls.predictions.decoder.weight",
+    "lm_head.bias": "cls.predictions.bias",
+}
+
+LLAMA = {  # LlamaForCausalLM and MistralForCausalLM. HF's q and k are already in RoPE's half-split order
+    "wte": "model.embed_tokens",
+    "decoder.h.{i}.ln_1": "model.layers.{i}.input_layernorm",
+    "decoder.h.{i}.attn.c_attn": [f"model.layers.{{i}}.self_attn.{x}_proj" for x in "qkv"],
+    "decoder.h.{i}.attn.c_proj": "model.layers.{i}.self_attn.o_proj",
+    "decoder.h.{i}.ln_2": "model.layers.{i}.post_attention_layernorm",
+    "decoder.h.{i}.mlp.c_fc": ["model.layers.{i}.mlp.up_proj", "model.layers.{i}.mlp.gate_proj"],  # up * silu(gate)
+    "decoder.h.{i}.mlp.c_proj": "model.layers.{i}.mlp.down_proj",
+    "decoder.ln_f": "model.norm",
+    "lm_head": "lm_head",
+}
+
+
+def t5_names(gated):
+    """T5ForConditionalGeneration. T5 does not scale attention scores, so sqrt(d_kv) is folded into
+    the query weights; v1.0 scales the decoder's output by d_model^-0.5 before its tied lm_head,
+    which is folded into the decoder's final norm. v1.1's gated MLP is gelu(wi_0 x) * wi_1 x."""
+    names = {"wte": "shared", "lm_head": "lm_head"}
+    wi = ("wi_1", "wi_0") if gated else ("wi",)  # ours: the product, then the gate
+    for s, ff in (("encoder", 1), ("decoder", 2)):  # the decoder's layer 1 is cross-attention
+        layer = s + ".block.{i}.layer."
+        names |= {
+            f"{s}.rel": f"{s}.block.0.layer.0.SelfAttention.relative_attention_bias",  # block 0's serves all
+            f"{s}.h.{{i}}.ln_1": layer + "0.layer_norm",
+            f"{s}.h.{{i}}.attn.c_attn": [layer + f"0.SelfAttention.{x}" for x in "qkv"],
+            f"{s}.h.{{i}}.attn.c_proj": layer + "0.SelfAttention.o",
+            f"{s}.h.{{i}}.ln_2": layer + f"{ff}.layer_norm",
+            f"{s}.h.{{i}}.mlp.c_fc": [layer + f"{ff}.DenseReluDense.{w}" for w in wi],
+            f"{s}.h.{{i}}.mlp.c_proj": layer + f"{ff}.DenseReluDense.wo",
+            f"{s}.ln_f": f"{s}.final_layer_norm",
+        }
+    return names | {
+        "decoder.h.{i}.ln_cross": "decoder.block.{i}.layer.1.layer_norm",
+        "decoder.h.{i}.cross_attn.c_q": "decoder.block.{i}.layer.1.EncDecAttention.q",
+        "decoder.h.{i}.cross_attn.c_kv": [f"decoder.block.{{i}}.layer.1.EncDecAttention.{x}" for x in "kv"],
+        "decoder.h.{i}.cross_attn.c_proj": "decoder.block.{i}.layer.1.EncDecAttention.o",
+    }
+
+
+# family: (its Hugging Face class, tensors a checkpoint may hold that no parameter needs)
+FAMILIES = {
+    "gpt2": ("GPT2LMHeadModel", r"\.attn\.(masked_)?bias$"),  # causal-mask buffers of older files
+    "bert": ("BertForMaskedLM", r"^bert\.pooler\.|^cls\.seq_relationship\.|position_ids$"  # pretraining's other heads
+                                r"|^cls\.predictions\.decoder\.bias$"),  # a copy of cls.predictions.bias
+    "t5": ("T5ForConditionalGeneration", r"\.embed_tokens\.weight$"),  # copies of `shared`
+    "llama": ("LlamaForCausalLM", r"rotary_emb\.inv_freq$"),
+    "mistral": ("MistralForCausalLM", r"rotary_emb\.inv_freq$"),
+}
+
+
+def name_map(family, config):
+    return {"gpt2": GPT2, "bert": BERT, "t5": t5_names(config.mlp == "geglu")}.get(family, LLAMA)
+
+
+def hf_names(names, name):
+    """Our parameter `name` -> the list of Hugging Face tensors it is made of."""
+    layer = re.search(r"\.h\.(\d+)\.", name)
+    key = re.sub(r"\.h\.\d+\.", ".h.{i}.", name)
+    module, leaf = key.rsplit(".", 1)
+    found = names[key] if key in names else names[module]
+    suffix = "" if key in names else "." + leaf
+    found = [found] if isinstance(found, str) else found
+    return [n.format(i=layer[1] if layer else None) + suffix for n in found]
+
+
+def split(t, n, config):
+    """Undo the concatenation of n tensors: q, k, v (k and v smaller under GQA) or equal halves."""
+    if n == 3:
+        q = config.n_head * config.head_size
+        return t.split([q, (len(t) - q) // 2, (len(t) - q) // 2])
+    return t.chunk(n)
+
+
+def factor(family, hf_name, config, scaled):
+    """What a Hugging Face tensor is multiplied by on the way in (divided by on the way out)."""
+    if family == "t5" and hf_name.endswith((".SelfAttention.q.weight", ".EncDecAttention.q.weight")):
+        return math.sqrt(config.head_size)  # our attention divides scores by it; T5's does not
+    if family == "t5" and scaled and hf_name == "decoder.final_layer_norm.weight":
+        return config.n_embd ** -0.5  # v1.0's scaling of the decoder's output
+    return 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs: Hugging Face's config.json <-> ModelConfig
+
+GELUS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}  # HF's name -> gelu_approximate
+T5_MLPS = {"relu": "relu", "gated-gelu": "geglu"}  # v1.0, v1.1 (its gelu is gelu_new: tanh)
+
+
+def gelu(hf, key, default):
+    if hf.get(key, default) not in GELUS:
+        raise HFError(f"{key}={hf[key]!r} is not a GELU nanoformer has (it has {', '.join(GELUS)})")
+    return GELUS[hf.get(key, default)]
+
+
+def read_config(hf):
+    """config.json -> (family, the ModelConfig fields it sets but tie_embeddings, whether T5 scales
+    its decoder output), or an HFError naming what nanoformer cannot express."""
+    kind = hf.get("model_type")
+    if kind == "qwen2":
+        raise HFError("Qwen2 has a bias on q, k and v only, which nanoformer's `bias` (on every layer or none) "
+                      "cannot express: no import for it")
+    if kind not in FAMILIES:
+        raise HFError(f"model_type={kind!r} is not a family nanoformer reads: it reads {', '.join(FAMILIES)}")
+    if kind == "gpt2":
+        if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+            raise HFError("this GPT-2 scales attention other than by 1/sqrt(head size) (scale_attn_*): "
+                          "no import for it")
+        return kind, dict(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
+                          n_head=hf["n_head"], n_embd=hf["n_embd"], mlp_hidden=hf.get("n_inner"),
+                          norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                          gelu_approximate=gelu(hf, "activation_function", "gelu_new")), False
+    if kind == "bert":
+        if hf.get("position_embedding_type", "absolute") != "absolute":
+            raise HFError(f"BERT's position_embedding_type={hf['position_embedding_type']!r} is not nanoformer's "
+                          "learned table ('absolute'): no import for it")
+        return kind, dict(arch="encoder", norm_first=False, lm_head_bias=True, vocab_size=hf["vocab_size"],
+                          block_size=hf["max_position_embeddings"], n_layer=hf["num_hidden_layers"],
+                          n_head=hf["num_attention_heads"], n_embd=hf["hidden_size"],
+                          mlp_hidden=hf["intermediate_size"], norm_eps=hf.get("layer_norm_eps", 1e-12),
+                          gelu_approximate=gelu(hf, "hidden_act", "gelu")), False
+    if kind == "t5":
+        ffp = hf.get("feed_forward_proj", "relu")
+        if ffp not in T5_MLPS:
+            raise HFError(f"T5's feed_forward_proj={ffp!r} is not one nanoformer has ({', '.join(T5_MLPS)})")
+        if hf.get("num_decoder_layers") not in (None, hf["num_layers"]):
+            raise HFError("this T5's decoder has another number of layers than its encoder; nanoformer's stacks "
+                          "share n_layer: no import for it")
+        # a config that transformers 5 wrote says whether to scale; an older one ties iff it scales
+        scaled = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
+        return kind, dict(arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp=T5_MLPS[ffp], bias=False,
+                          vocab_size=hf["vocab_size"], block_size=hf.get("n_positions", 512),
+                          n_layer=hf["num_layers"], n_head=hf["num_heads"], n_embd=hf["d_model"],
+                          head_size=hf["d_kv"], mlp_hidden=hf["d_ff"], norm_eps=hf.get("layer_norm_epsilon", 1e-6),
+                          rel_buckets=hf.get("relative_attention_num_buckets", 32),
+                          rel_max_distance=hf.get("relative_attention_max_distance", 128)), scaled
+    # Llama, Mistral
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise HFError(f"{key}=True: nanoformer's Llama has no biases (its `bias` covers every layer): "
+                          "no import for it")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFError(f"hidden_act={hf['hidden_act']!r}: nanoformer's SwiGLU gates with silu only")
+    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear"):
+        raise HFError(f"rope_scaling of rope_type {rope_type!r} is not nanoformer's rope_scaling, which is linear "
+                      "position interpolation only: no import for it")
+    return kind, dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, vocab_size=hf["vocab_size"],
+                      block_size=hf.get("max_position_embeddings", 2048), n_layer=hf["num_hidden_layers"],
+                      n_head=hf["num_attention_heads"], n_kv_head=hf.get("num_key_value_heads"),
+                      n_embd=hf["hidden_size"], head_size=hf.get("head_dim"), mlp_hidden=hf["intermediate_size"],
+                      norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", 10000.0),
+                      rope_scaling=rope.get("factor", 1.0) if rope_type == "linear" else 1.0,
+                      window=(hf.get("sliding_window") or 0) if kind == "mistral" else 0), False
+
+
+def family_of(c):
+    """The Hugging Face family a ModelConfig goes to, or an HFError naming what has none."""
+    writes = "nanoformer writes GPT-2, BERT, T5, Llama and Mistral"
+    if c.n_expert:
+        raise HFError(f"a mixture of experts (n_expert={c.n_expert}) has no Hugging Face class here ({writes}, "
+                      "all dense): no export for it")
+    if c.pos in ("alibi", "sinusoidal", "none"):
+        raise HFError(f"pos={c.pos!r} positions have no Hugging Face class here ({writes}): no export for them")
+    family = {("decoder", "learned"): "gpt2", ("encoder", "learned"): "bert", ("encoder-decoder", "relative"): "t5",
+              ("decoder", "rope"): "mistral" if c.window else "llama"}.get((c.arch, c.pos))
+    if family is None:
+        raise HFError(f"arch={c.arch!r} with pos={c.pos!r} has no Hugging Face class here ({writes}): no export for it")
+    need = {"gpt2": dict(norm="layernorm", norm_first=True, mlp="gelu", lm_head_bias=False),
+            "bert": dict(norm="layernorm", norm_first=False, mlp="gelu"),
+            "t5": dict(norm="rmsnorm", norm_first=True, bias=False, lm_head_bias=False),
+            "llama": dict(norm="rmsnorm", norm_first=True, mlp="swiglu", bias=False, lm_head_bias=False)}
+    need = need.get(family, need["llama"])
+    if family in ("gpt2", "bert", "t5"):  # no grouped-query attention, no sliding window
+        need |= dict(n_kv_head=c.n_head, window=0)
+    if family in ("gpt2", "bert"):
+        need |= dict(head_size=c.n_embd // c.n_head)
+    for key, value in need.items():
+        if getattr(c, key) != value:
+            raise HFError(f"{key}={getattr(c, key)!r}: {FAMILIES[family][0]}, the Hugging Face class for arch="
+                          f"{c.arch!r} with pos={c.pos!r}, has {key}={value!r}: no export for this model")
+    if family == "t5" and not (c.mlp == "relu" or c.mlp == "geglu" and c.gelu_approximate == "tanh"):
+        raise HFError(f"mlp={c.mlp!r} (gelu_approximate={c.gelu_approximate!r}): T5 has relu (v1.0) or geglu "
+                      "with the tanh GELU (v1.1): no export for this model")
+    return family
+
+
+def write_config(c, family, dtype):
+    """ModelConfig -> the config.json of its Hugging Face class."""
+    hf = dict(model_type=family, architectures=[FAMILIES[family][0]], vocab_size=c.vocab_size,
+              tie_word_embeddings=c.tie_embeddings, dtype=str(dtype).removeprefix("torch."))
+    approx = {"tanh": "gelu_new", "none": "gelu"}[c.gelu_approximate]
+    if family == "gpt2":
+        return hf | dict(n_positions=c.block_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
+                         n_inner=c.mlp_hidden, activation_function=approx, layer_norm_epsilon=c.norm_eps,
+                         resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout)
+    if family == "bert":  # two token types, both zero: the position table holds what token type 0 added
+        return hf | dict(max_position_embeddings=c.block_size, num_hidden_layers=c.n_layer,
+                         num_attention_heads=c.n_head, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden,
+                         hidden_act=approx, layer_norm_eps=c.norm_eps, type_vocab_size=2,
+                         position_embedding_type="absolute", hidden_dropout_prob=c.dropout,
+                         attention_probs_dropout_prob=c.dropout)
+    if family == "t5":  # tied: v1.0, which scales the decoder output; untied: v1.1, which does not
+        return hf | dict(n_positions=c.block_size, num_layers=c.n_layer, num_decoder_layers=c.n_layer,
+                         num_heads=c.n_head, d_model=c.n_embd, d_kv=c.head_size, d_ff=c.mlp_hidden,
+                         feed_forward_proj={"relu": "relu", "geglu": "gated-gelu"}[c.mlp],
+                         layer_norm_epsilon=c.norm_eps, relative_attention_num_buckets=c.rel_buckets,
+                         relative_attention_max_distance=c.rel_max_distance, dropout_rate=c.dropout,
+                         is_encoder_decoder=True, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    rope = dict(rope_type="linear", factor=c.rope_scaling) if c.rope_scaling != 1 else dict(rope_type="default")
+    hf |= dict(max_position_embeddings=c.block_size, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+               num_key_value_heads=c.n_kv_head, hidden_size=c.n_embd, head_dim=c.head_size,
+               intermediate_size=c.mlp_hidden, hidden_act="silu", rms_norm_eps=c.norm_eps, attention_dropout=c.dropout,
+               rope_parameters=rope | dict(rope_theta=c.rope_theta),  # transformers 5; and 4's keys:
+               rope_theta=c.rope_theta, rope_scaling=rope if c.rope_scaling != 1 else None)
+    return hf | (dict(sliding_window=c.window) if family == "mistral" else dict(attention_bias=False, mlp_bias=False))
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+def local_dir(path_or_name):
+    """A model directory: path_or_name itself, or the hub's snapshot of the model of that name."""
+    if os.path.isdir(path_or_name):
+        return path_or_name
+    if os.path.exists(path_or_name):
+        raise HFError(f"{path_or_name} is a file: give the model's directory (config.json and its weights)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise HFError(f"{path_or_name!r} is not a directory; to download it from the Hugging Face hub: "
+                      "pip install huggingface_hub") from None
+    try:
+        path = snapshot_download(path_or_name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        if not any(f.endswith(".safetensors") for f in os.listdir(path)):  # an older repository
+            path = snapshot_download(path_or_name, allow_patterns=["*.json", "pytorch_model*.bin"])
+        return path
+    except Exception as e:
+        cause = (str(e).strip().splitlines() or [""])[0]
+        raise HFError(f"could not download {path_or_name!r} from the Hugging Face hub ({type(e).__name__}: "
+                      f"{cause}): check the name and the network, or give a local directory") from None
+
+
+def read_json(path, what):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError:
+        raise HFError(f"{path} is missing: {what}") from None
+    except ValueError as e:
+        raise HFError(f"{path} is not valid JSON ({e}): download the model again") from None
+
+
+def read_tensors(path):
+    """Every tensor of the directory's weights: model.safetensors, the shards its index lists, or
+    pytorch_model.bin (or its shards), which holds plain tensors or is refused."""
+    for file, read in (("model.safetensors", load_file), ("pytorch_model.bin", read_bin)):
+        if os.path.exists(os.path.join(path, file)):
+            return read(os.path.join(path, file))
+        index = os.path.join(path, file + ".index.json")
+        if os.path.exists(index):
+            shards = sorted(set(read_json(index, "")["weight_map"].values()))
+            return {k: v for shard in shards for k, v in read(os.path.join(path, shard)).items()}
+    raise HFError(f"{path} holds no model.safetensors, pytorch_model.bin or an index of their shards: "
+                  "give a directory that save_pretrained wrote")
+
+
+def read_bin(file):
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:
+        if "GLOBAL" in str(e) or "weights_only" in str(e):
+            raise HFError(f"{file} holds objects that loading would run code for, so it is not loaded: "
+                          "convert it to safetensors where you trust it") from None
+        raise HFError(f"{file} is not a readable checkpoint ({type(e).__name__}): download it again") from None
+
+
+def from_pretrained(path_or_name, device="cpu", dtype=None):
+    """The Transformer of a Hugging Face model directory (or hub name), in eval mode, its weights
+    in dtype (None: the checkpoint's)."""
+    path = local_dir(path_or_name)
+    hf = read_json(os.path.join(path, "config.json"), "a Hugging Face model directory holds config.json")
+    try:
+        family, fields, scaled = read_config(hf)
+    except KeyError as e:
+        raise HFError(f"{path}/config.json lacks {e.args[0]!r}, which a {hf.get('model_type')} config holds: "
+                      "download it again") from None
+    tensors = read_tensors(path)
+    if family == "gpt2" and "wte.weight" in tensors:  # saved from GPT2Model: no "transformer." prefix
+        tensors = {("" if k.startswith("lm_head") else "transformer.") + k: v for k, v in tensors.items()}
+    if family == "bert":  # older files name LayerNorm's parameters as TensorFlow did
+        tensors = {re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k)): v for k, v in tensors.items()}
+    names = name_map(family, ModelConfig(**fields))
+    emb, head = (hf_names(names, m + ".weight")[0] for m in ("wte", "lm_head"))
+    if emb not in tensors:
+        raise HFError(f"{path} lacks {emb}: it is not a {FAMILIES[family][0]} checkpoint")
+    if head not in tensors and hf.get("tie_word_embeddings") is False:
+        raise HFError(f"{path} lacks {head}, the output matrix of a model with untied embeddings: download it again")
+    # tied where the file holds no output matrix of its own (or an equal one), as transformers 5 decides
+    tied = head not in tensors or torch.equal(tensors[head], tensors[emb])
+    config = ModelConfig(**fields, tie_embeddings=tied)
+    dtype = dtype or tensors[emb].dtype
+    if family == "bert":  # single-segment inputs add token type 0's embedding at every position: fold it in
+        tt = tensors.pop("bert.embeddings.token_type_embeddings.weight", None)
+        pos = "bert.embeddings.position_embeddings.weight"
+        if tt is not None and pos in tensors:
+            tensors[pos] = tensors[pos].float() + tt[0].float()
+    with torch.device("meta"):  # no memory, no initialisation: every parameter comes from the file
+        model = Transformer(config)
+    state = {}
+    for name, want in model.state_dict().items():
+        if name == "lm_head.weight" and tied:
+            tensors.pop(head, None)
+            continue
+        parts = []
+        for n in hf_names(names, name):
+            if n not in tensors:
+                raise HFError(f"{path} lacks {n}, which {FAMILIES[family][0]} with this config.json has")
+            t = tensors.pop(n)
+            t = t.t() if family == "gpt2" and n.endswith(CONV1D) else t
+            f = factor(family, n, config, scaled)
+            parts.append(t if f == 1 else t.float() * f)
+        t = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if t.shape != want.shape:
+            raise HFError(f"{path}: {', '.join(hf_names(names, name))} has shape {tuple(t.shape)} where config.json "
+                          f"implies {tuple(want.shape)}: the weights and config.json disagree")
+        state[name] = t.to(dtype)
+    extra = [k for k in tensors if not re.search(FAMILIES[family][1], k)]
+    if extra:
+        raise HFError(f"{path} holds tensors that nanoformer's {family} has no place for ({extra[0]}"
+                      f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}): no import for this model")
+    if tied:
+        state["lm_head.weight"] = state["wte.weight"]
+    model.load_state_dict(state, assign=True)
+    if tied:  # assign=True gave each name its own Parameter
+        model.lm_head.weight = model.wte.weight
+    return model.to(device).eval()
+
+
+
+
+
+def load_pretrained(name, device, dtype=None):
+    """A Hugging Face model (a directory, or a hub name to download) and, as a checkpoint would
+    carry them, its tokenizer (meta) and the objectives' special tokens (tokens)."""
+    try:
+        path = local_dir(name)
+        model = from_pretrained(path, device, dtype)
+    except HFError as e:
+        raise UsageError(str(e)) from None
+    meta = tokenizer_meta(path)
+    tok = Tokenizer(meta)
+    meta["vocab_size"] = tok.vocab_size
+    tokens = special_tokens(model.config.vocab_size)  # a decoder uses none of them
+    if tok.kind == "hf":
+        ids = {t: tok.enc.token_to_id(t) for t in ("[MASK]", "<extra_id_0>", "<extra_id_1>")}
+        if ids["[MASK]"] is not None:  # BERT's
+            tokens["mask"] = ids["[MASK]"]
+        if ids["<extra_id_0>"] is not None:  # T5's sentinels, counting down, and its decoder's start (pad)
+            with open(os.path.join(path, "config.json")) as f:
+                tokens["start"] = json.load(f).get("decoder_start_token_id", 0)
+            tokens.update(sentinel=ids["<extra_id_0>"], sentinel_step=ids["<extra_id_1>"] - ids["<extra_id_0>"],
+                          n_sentinel=sum(t.startswith("<extra_id_") for t in tok.enc.get_vocab()))
+    return model, dict(meta=meta, tokens=tokens, model_config=asdict(model.config))
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+def save_pretrained(model, path, **hf_config):
+    """Write config.json and model.safetensors to path such that transformers' AutoModelForCausalLM
+    (GPT-2, Llama, Mistral), AutoModelForMaskedLM (BERT) or AutoModelForSeq2SeqLM (T5) loads the
+    model with the same logits. hf_config: further config.json entries (decoder_start_token_id).
+    Returns the family written."""
+    c = model.config
+    family = family_of(c)
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise HFError("an int8-quantized model has no Hugging Face layout here: export its float weights")
+    state = model.state_dict()
+    if c.tie_embeddings:
+        del state["lm_head.weight"]
+    if family in ("gpt2", "bert"):  # these classes always have biases: a model without gets zeros (exact)
+        for name, m in model.named_modules():
+            if isinstance(m, (nn.Linear, nn.LayerNorm)) and m.bias is None and (family == "bert" or name != "lm_head"):
+                state[name + ".bias"] = torch.zeros(m.weight.size(0), dtype=m.weight.dtype)
+    names, dtype = name_map(family, c), model.wte.weight.dtype
+    tensors = {}
+    for name, t in state.items():
+        parts = hf_names(names, name)
+        for n, piece in zip(parts, split(t.detach().cpu(), len(parts), c)):
+            f = factor(family, n, c, scaled=c.tie_embeddings)
+            piece = piece if f == 1 else (piece.float() / f).to(dtype)
+            tensors[n] = (piece.t() if family == "gpt2" and n.endswith(CONV1D) else piece).contiguous().clone()
+    if family == "bert":
+        tensors["bert.embeddings.token_type_embeddings.weight"] = torch.zeros(2, c.n_embd, dtype=dtype)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(write_config(c, family, dtype) | hf_config, f, indent=2)
+    return family
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+
+USAGE = "usage: python hf.py export OUT_DIR HF_DIR   (a run's best.pt, else ckpt.pt -> a Hugging Face directory)"
+
+
+def main(argv):
+    if len(argv) != 3 or argv[0] != "export":
+        print(USAGE, file=sys.stderr)
+        return 2
+    out_dir, hf_dir = argv[1:]
+    try:
+        model, _, ckpt = load_model(out_dir, torch.device("cpu"))  # best.pt, else ckpt.pt
+        start = dict(decoder_start_token_id=ckpt["tokens"]["start"]) if model.config.arch == "encoder-decoder" else {}
+        family = save_pretrained(model, hf_dir, **start)
+    except (UsageError, ValueError, OSError) as e:  # OSError: HF_DIR cannot be written
+        print(f"hf.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"hf.py: {FAMILIES[family][0]} written to {hf_dir}")
+    meta = ckpt["meta"]
+    if meta["tokenizer"] == "hf":
+        with open(os.path.join(hf_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+            f.write(meta["tokenizer_json"])
+    elif meta["tokenizer"] == "char":
+        print("hf.py: a character-level vocabulary has no Hugging Face tokenizer: weights and config only "
+              "(the characters are in the checkpoint's meta)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
