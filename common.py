@@ -336,11 +336,10 @@ def load_checkpoint(path, hint=None):
     if not isinstance(ckpt, dict) or not CKPT_KEYS <= ckpt.keys():
         missing = sorted(CKPT_KEYS - ckpt.keys()) if isinstance(ckpt, dict) else "everything"
         raise UsageError(f"{path} is not a nanoformer checkpoint (it lacks {missing})")
-    ckpt["model_config"].pop("linear_impl", None)  # a setting of older versions, gone: products use nn.Linear
     unknown = sorted(ckpt["model_config"].keys() - {f.name for f in fields(ModelConfig)})
     if unknown:
         raise UsageError(f"{path} has model settings this model.py does not know ({', '.join(unknown)}): "
-                         "it was written by a newer nanoformer; update this one")
+                         "it was written by another version of nanoformer; load it with that version")
     return ckpt
 
 

@@ -84,53 +84,40 @@ def hms(seconds):
 # Setting up: the out_dir, the data, the model
 
 def prepare_out_dir(path, held):
-    """Make out_dir, check that it takes files, lock it, and remove temporary files of a killed save.
+    """Make out_dir, lock it, check that it takes bytes, and remove temporary files of a killed save.
     The lock is out_dir/.lock, flock-ed until `held` (the run's ExitStack) closes: a second train.py
     writing there would overwrite this run's checkpoints or remove the one it is writing, so it is
     refused meanwhile; the kernel releases the lock when the process ends, however it ends. An
     out_dir this run made and left empty (it failed before its first checkpoint) goes at the end."""
     made = not os.path.isdir(path)
-    probe = os.path.join(path, f".write-test.{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
-        try:
-            with open(probe, "w") as f:  # some bytes, so that a full disk is found now too
-                f.write(f"{os.getpid()}\n")
-        finally:
-            with suppress(OSError):
-                os.remove(probe)
-    except OSError as e:
         if made:
-            with suppress(OSError):
-                os.rmdir(path)
+            held.callback(remove_if_unused, path)
+        lock = held.enter_context(open(os.path.join(path, ".lock"), "a+b", buffering=0))  # nothing held back
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.truncate(0)  # the pid names the holder to a second run; writing it finds a full disk now
+        pid = f"{os.getpid()}\n".encode()
+        lock.write(pid[lock.write(pid):])  # a short write (a full disk) fails at the second, with the reason
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().decode().strip() or "?"
+        raise UsageError(f"out_dir {path!r} is in use by another train.py (process {holder}): wait for it to end, "
+                         "or choose another --out_dir") from None
+    except OSError as e:
         full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
         raise UsageError(f"out_dir {path!r} is not writable ({e.strerror}): "
                          f"{'free some space, or ' if full else ''}choose another --out_dir") from None
-    lock = open(os.path.join(path, ".lock"), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "?"
-        lock.close()
-        raise UsageError(f"out_dir {path!r} is in use by another train.py (process {holder}): wait for it to "
-                         "end, or choose another --out_dir") from None
-    with suppress(OSError):  # the pid only names the holder to a second run: the lock holds without it
-        lock.truncate(0)
-        lock.write(f"{os.getpid()}\n")
-        lock.flush()
-    held.enter_context(lock)
-    if made:
-        held.callback(remove_if_unused, path)
     for name in os.listdir(path):
         if ".pt.tmp." in name:
             os.remove(os.path.join(path, name))
 
 
 def remove_if_unused(path):
-    if os.listdir(path) == [".lock"]:
+    if set(os.listdir(path)) <= {".lock"}:
         with suppress(OSError):  # another train.py may have just taken it
-            os.remove(os.path.join(path, ".lock"))
+            if os.listdir(path):
+                os.remove(os.path.join(path, ".lock"))
             os.rmdir(path)
 
 
