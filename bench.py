@@ -24,7 +24,8 @@ import torch.nn.functional as F
 import kernels
 from common import (TRAIN_RANGES, TrainConfig, UsageError, batch_rng, check_ranges, compile_decode, configure_optimizer,
                     flops_per_token, get_batch, load_data, load_model, model_vocab_size, optimizer_step,
-                    parse_settings, peak_flops, pick_device, pick_dtype, precision, precision_name, special_tokens, timed)
+                    parse_settings, peak_flops, pick_device, pick_dtype, precision, precision_name, special_tokens,
+                    timed)
 from model import Int8Linear, ModelConfig, Transformer, attn_impl, quantize_int8, sample
 
 try:
@@ -44,14 +45,17 @@ def training_attention(model, device):
 
 
 def training(argv, rounds=5, iters=20, warmup=10):
-    """train.py's iteration against nanoGPT's recipe on the same model, data and settings: attention
-    through SDPA, AdamW fused only on CUDA, compiled only on a GPU (as nanoGPT's train.py and its CPU
-    example do). The two run in alternating rounds, so that both see the same machine; the report
-    gives the median round, split into forward+backward and update, and how far apart the two
-    runs' weights end."""
+    """train.py's recipe (attention as `auto` picks it, fused AdamW, compiled if asked) against
+    nanoGPT's on a new model of the same settings and the same batches: attention through SDPA,
+    AdamW fused only on CUDA, compiled only on a GPU (as nanoGPT's train.py and its CPU example do).
+    The two run in alternating rounds, so that both see the same machine; the report gives the
+    median round, split into forward+backward and update, and how far apart the two runs' weights end."""
     train_args, model_args = parse_settings(argv, TrainConfig, ModelConfig, skip=("vocab_size",))
     cfg = TrainConfig(**train_args)
     check_ranges(cfg, TRAIN_RANGES)
+    if cfg.init_from != "scratch":
+        raise UsageError(f"bench.py train times a new model of the settings given: leave out "
+                         f"--init_from={cfg.init_from}")
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     data, meta = load_data(cfg.data_dir, cfg.dataset)
@@ -65,40 +69,45 @@ def training(argv, rounds=5, iters=20, warmup=10):
     ref = Transformer(replace(config, attn_impl="sdpa")).to(device)
     ref.load_state_dict(ours.state_dict())
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    recipes = {"nanoGPT's recipe": (ref, torch.compile(ref) if cfg.compile and device.type == "cuda" else ref,
-                                    configure_optimizer(ref, cfg, fused=device.type == "cuda")),
-               "train.py": (ours, torch.compile(ours) if cfg.compile else ours,
-                            configure_optimizer(ours, cfg, fused=device.type in ("cuda", "cpu")))}
+    if device.type == "cuda":  # as both train.py and nanoGPT's do
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    recipes = {  # each: the model, what runs it, its optimizer and its own gradient scaler
+        "nanoGPT's recipe": (ref, torch.compile(ref) if cfg.compile and device.type == "cuda" else ref,
+                             configure_optimizer(ref, cfg, fused=device.type == "cuda")),
+        "train.py": (ours, torch.compile(ours) if cfg.compile else ours,
+                     configure_optimizer(ours, cfg, fused=device.type in ("cuda", "cpu")))}
+    recipes = {k: (*v, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)) for k, v in recipes.items()}
 
-    def forward_backward(compiled, it):
+    def forward_backward(compiled, scaler, it):
         for micro in range(cfg.gradient_accumulation_steps):
             b = get_batch(data["train"], config.arch, cfg.batch_size, config.block_size, batch_rng(cfg.seed, it, micro),
                           special_tokens(meta["vocab_size"]), meta["vocab_size"], cfg.mask_prob, cfg.noise_density,
                           cfg.mean_span)
+            if device.type == "cuda":  # pinned memory lets the copy overlap with compute, in both recipes
+                b = {k: v.contiguous().pin_memory() for k, v in b.items()}
             with autocast:
-                loss = compiled(**{k: v.to(device) for k, v in b.items()})[1]
+                loss = compiled(**{k: v.to(device, non_blocking=True) for k, v in b.items()})[1]
             scaler.scale(loss / cfg.gradient_accumulation_steps).backward()
 
     def apart():
         return max((p - q).abs().max().item() for p, q in zip(ours.parameters(), ref.parameters()))
 
     for it in range(warmup):  # warm up (and compile) outside the timings
-        for model, compiled, opt in recipes.values():
-            forward_backward(compiled, it)
+        for model, compiled, opt, scaler in recipes.values():
+            forward_backward(compiled, scaler, it)
             optimizer_step(model, opt, scaler, cfg.grad_clip)
         if it == 0:
             first = apart()
     times = {name: [] for name in recipes}  # per round: (forward+backward, update) seconds per iteration
     memory = {name: 0 for name in recipes}  # on a GPU: the peak above what both models hold between iterations
     for r in range(rounds):
-        for name, (model, compiled, opt) in recipes.items():
+        for name, (model, compiled, opt, scaler) in recipes.items():
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 resident = torch.cuda.memory_allocated(device)
             spent = [0.0, 0.0]
             for it in range(warmup + r * iters, warmup + (r + 1) * iters):
-                spent[0] += timed(lambda: forward_backward(compiled, it), device)[1] / iters
+                spent[0] += timed(lambda: forward_backward(compiled, scaler, it), device)[1] / iters
                 spent[1] += timed(lambda: optimizer_step(model, opt, scaler, cfg.grad_clip), device)[1] / iters
             times[name].append(spent)
             if device.type == "cuda":
@@ -123,7 +132,8 @@ def training(argv, rounds=5, iters=20, warmup=10):
           f"is {first:.2g} after one iteration, {apart():.2g} after {warmup + rounds * iters} (rounding, amplified "
           "by training)")
     if device.type != "cuda":
-        print(f"peak memory of the process (both runs): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB")
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+        print(f"peak memory of the process (both runs): {rss:,.0f} MiB")
     return 0
 
 

@@ -61,8 +61,8 @@ def where(classes):
 def check_name(key, known, classes):
     if key not in known:
         close = difflib.get_close_matches(key, known, n=1)
-        raise UsageError(f"unknown setting {key!r}: "
-                         + (f"did you mean --{close[0]}?" if close else f"the settings are the fields of {where(classes)}"))
+        hint = f"did you mean --{close[0]}?" if close else f"the settings are the fields of {where(classes)}"
+        raise UsageError(f"unknown setting {key!r}: {hint}")
 
 
 def check_value(key, value, known, classes):
@@ -186,7 +186,7 @@ def check_ranges(cfg, table):
             continue
         if isinstance(allowed, tuple):
             if value not in allowed:
-                raise UsageError(f"{key}={value!r} is not known: choose {', '.join(map(str, allowed))}")
+                raise UsageError(f"{key}={value!r} is not known: choose {' or '.join(map(repr, allowed))}")
             continue
         low, high = (float(x) for x in allowed[1:-1].split(","))
         if not ((low <= value if allowed[0] == "[" else low < value) and
@@ -336,6 +336,7 @@ def load_checkpoint(path, hint=None):
     if not isinstance(ckpt, dict) or not CKPT_KEYS <= ckpt.keys():
         missing = sorted(CKPT_KEYS - ckpt.keys()) if isinstance(ckpt, dict) else "everything"
         raise UsageError(f"{path} is not a nanoformer checkpoint (it lacks {missing})")
+    ckpt["model_config"].pop("linear_impl", None)  # how earlier versions ran products on a CPU: gone, not the model's
     unknown = sorted(ckpt["model_config"].keys() - {f.name for f in fields(ModelConfig)})
     if unknown:
         raise UsageError(f"{path} has model settings this model.py does not know ({', '.join(unknown)}): "
@@ -348,7 +349,7 @@ def load_model(out_dir, device, dtype=torch.float32, quantize="", which="best", 
     quantize="int8"), with its tokenizer and its checkpoint: out_dir's best.pt ("best"; ckpt.pt if
     there is none) or ckpt.pt ("latest"), or a Hugging Face model (init_from: a directory or name)."""
     if init_from != "resume":
-        import hf  # reads safetensors, which only Hugging Face models need
+        import hf  # a module of its own, which imports this one
         model, ckpt = hf.load_pretrained(init_from, torch.device("cpu"), torch.float32)
     else:
         path = {"best": os.path.join(out_dir, "best.pt"), "latest": os.path.join(out_dir, "ckpt.pt")}
@@ -378,7 +379,8 @@ def precision(dtype, device):
 
 def precision_name(weights, dtype):
     """How sampling runs: "bfloat16 weights", "float32 weights under float16 autocast"."""
-    return str(weights).replace("torch.", "") + " weights" + (" under float16 autocast" if dtype == torch.float16 else "")
+    autocast = " under float16 autocast" if dtype == torch.float16 else ""
+    return str(weights).replace("torch.", "") + " weights" + autocast
 
 
 def compile_decode(model, device):
@@ -537,16 +539,20 @@ class Tokenizer:
             return "".join(self.chars[i] for i in ids)
         return self.enc.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def streamer(self):
-        """A function from each next token id to the text it completes (a token may end mid-character:
-        that text waits for the rest), and from None at the end to what is still held back."""
+    def streamer(self, context=()):
+        """A function from each next token id to the text it adds after the ids of context (a token
+        may end mid-character: that text waits for the rest), and from None at the end to what is
+        still held back."""
         if self.kind == "char":
             return lambda i: self.chars[i] if i is not None and i < self.vocab_size else ""
         if self.kind == "gpt2":
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             return lambda i: decoder.decode(b"" if i is None or i >= self.vocab_size else self.enc.decode_bytes([i]),
                                             final=i is None)
-        ids, shown = [], [0]  # a Hugging Face decoder maps a whole sequence to text: decode it and show what is new
+        # a Hugging Face decoder maps a whole sequence to text (a word's leading space may depend on
+        # what came before): decode it all, and show what is new
+        ids = list(context)
+        shown = [len(self.decode(ids))]
 
         def step(i):
             if i is not None and i < self.vocab_size:
@@ -558,6 +564,10 @@ class Tokenizer:
             return new
         return step
 
+    def specials(self):
+        """The ids of a Hugging Face tokenizer's special tokens (BOS, EOS, padding, ...)."""
+        return {i for i, t in self.enc.get_added_tokens_decoder().items() if t.special} if self.kind == "hf" else set()
+
 
 # ----------------------------------------------------------------------------------------------
 # Datasets, and the batches of each architecture's objective: next-token prediction (decoder),
@@ -568,8 +578,8 @@ def load_data(data_dir, dataset):
     path = os.path.join(data_dir, dataset)
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
-        hint = {"shakespeare_char": "python prepare.py shakespeare_char", "shakespeare": "python prepare.py shakespeare"}
-        cmd = hint.get(dataset, f"python prepare.py text --input 'your/*.txt' --name {dataset}")
+        cmd = (f"python prepare.py {dataset}" if dataset in ("shakespeare_char", "shakespeare")  # its own datasets
+               else f"python prepare.py text --input 'your/*.txt' --name {dataset}")
         raise UsageError(f"dataset {dataset!r} is not prepared ({meta_path} is missing): run `{cmd}`")
     try:
         with open(meta_path) as f:
@@ -584,7 +594,8 @@ def load_data(data_dir, dataset):
 
 def check_meta(meta):
     """A ValueError unless meta (a dataset's meta.json) holds the tokenizer that prepare.py
-    writes, which the checkpoint carries to sample.py: "char" with its vocab, or "gpt2"."""
+    writes, which the checkpoint carries to sample.py: "char" with its vocab, "gpt2", or "hf" with
+    its tokenizer.json."""
     n, kind = meta["vocab_size"], meta["tokenizer"]
     if type(n) is not int or n < 1:
         raise ValueError(f"vocab_size={n!r} is not a positive integer")

@@ -15,6 +15,7 @@ output folded into weights. Anything else is refused with a one-line HFError tha
 feature and the way out. transformers is never imported here.
 """
 
+import difflib
 import json
 import math
 import os
@@ -296,6 +297,8 @@ def local_dir(path_or_name):
         return path_or_name
     if os.path.exists(path_or_name):
         raise HFError(f"{path_or_name} is a file: give the model's directory (config.json and its weights)")
+    if close := difflib.get_close_matches(str(path_or_name), ["scratch", "resume"], n=1, cutoff=0.7):
+        raise HFError(f"{path_or_name!r} is no model directory: did you mean {close[0]}?")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
@@ -408,31 +411,30 @@ def from_pretrained(path_or_name, device="cpu", dtype=None):
     return model.to(device).eval()
 
 
-
-
-
 def load_pretrained(name, device, dtype=None):
     """A Hugging Face model (a directory, or a hub name to download) and, as a checkpoint would
-    carry them, its tokenizer (meta) and the objectives' special tokens (tokens)."""
+    carry them, its tokenizer (meta), the objectives' special tokens (tokens) and its directory."""
     try:
         path = local_dir(name)
         model = from_pretrained(path, device, dtype)
-    except HFError as e:
-        raise UsageError(str(e)) from None
+    except Exception as e:  # HFError, or a file that cannot be read: one line either way
+        why = str(e) if isinstance(e, HFError) else f"{name} could not be read ({type(e).__name__}: {e})"
+        raise UsageError(why.splitlines()[0]) from None
     meta = tokenizer_meta(path)
-    tok = Tokenizer(meta)
-    meta["vocab_size"] = tok.vocab_size
     tokens = special_tokens(model.config.vocab_size)  # a decoder uses none of them
-    if tok.kind == "hf":
+    if meta["tokenizer"] == "gpt2":
+        meta["vocab_size"] = 50257  # tiktoken's GPT-2 BPE
+    else:
+        tok = Tokenizer(meta)
+        meta["vocab_size"] = tok.vocab_size
         ids = {t: tok.enc.token_to_id(t) for t in ("[MASK]", "<extra_id_0>", "<extra_id_1>")}
         if ids["[MASK]"] is not None:  # BERT's
             tokens["mask"] = ids["[MASK]"]
         if ids["<extra_id_0>"] is not None:  # T5's sentinels, counting down, and its decoder's start (pad)
-            with open(os.path.join(path, "config.json")) as f:
-                tokens["start"] = json.load(f).get("decoder_start_token_id", 0)
-            tokens.update(sentinel=ids["<extra_id_0>"], sentinel_step=ids["<extra_id_1>"] - ids["<extra_id_0>"],
+            tokens.update(start=read_json(os.path.join(path, "config.json"), "").get("decoder_start_token_id", 0),
+                          sentinel=ids["<extra_id_0>"], sentinel_step=ids["<extra_id_1>"] - ids["<extra_id_0>"],
                           n_sentinel=sum(t.startswith("<extra_id_") for t in tok.enc.get_vocab()))
-    return model, dict(meta=meta, tokens=tokens, model_config=asdict(model.config))
+    return model, dict(meta=meta, tokens=tokens, model_config=asdict(model.config), path=str(path))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,6 +484,9 @@ def main(argv):
         print(USAGE, file=sys.stderr)
         return 2
     out_dir, hf_dir = argv[1:]
+    if os.path.isdir(hf_dir) and os.listdir(hf_dir):
+        print(f"hf.py: error: {hf_dir} is not empty: give a new directory (nothing is overwritten)", file=sys.stderr)
+        return 2
     try:
         model, _, ckpt = load_model(out_dir, torch.device("cpu"))  # best.pt, else ckpt.pt
         start = dict(decoder_start_token_id=ckpt["tokens"]["start"]) if model.config.arch == "encoder-decoder" else {}

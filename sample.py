@@ -155,7 +155,7 @@ def encode_prompt(model, tok, prompt):
 def continue_text(model, tok, special, prompt, cfg, device):
     ids = encode_prompt(model, tok, prompt)
     write(prompt)
-    text = tok.streamer()
+    text = tok.streamer(ids)
     for t in model.generate_tokens(torch.tensor([ids], device=device), cfg.max_new_tokens, cfg.temperature,
                                    cfg.top_k, cfg.top_p, vocab_limit=tok.vocab_size):
         t = t.item()  # printing as we go needs the token on the host
@@ -184,8 +184,9 @@ def continue_batch(model, tok, prompts, cfg, device):
     out = model.generate(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
                          vocab_limit=tok.vocab_size, mask=mask)[:, T:].tolist()
     dt = time.time() - t0
-    for line, new in zip(lines, out):
-        write(line + tok.decode(new) + "\n---------------\n")
+    for line, row, new in zip(lines, rows, out):  # the text after the prompt's, as a streamer shows it
+        text = tok.streamer(row)
+        write(line + "".join(map(text, new)) + text(None) + "\n---------------\n")
     return len(rows) * cfg.max_new_tokens, dt, dict(idx=rows[0] + out[0])
 
 
@@ -239,13 +240,13 @@ def fill_masks(model, tok, special, prompt, cfg, device):
     """Masked LM: fill the masks left to right, each seeing the ones filled before it."""
     ids, holes, pieces = blanks(model, tok, prompt, lambda k: special["mask"])
     x = torch.tensor([ids], device=device)
-    text = tok.streamer()
     write(pieces[0])
     for hole, piece in zip(holes, pieces[1:]):
         with torch.no_grad():
             logits = model(x)[0][:, hole, : tok.vocab_size]  # only real tokens may fill a hole
         x[0, hole] = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p)[0, 0]
-        write(text(x[0, hole].item()) + piece)
+        text = tok.streamer(ids[:hole])  # the token's text where it stands
+        write(text(x[0, hole].item()) + text(None) + piece)
     return len(holes), dict(idx=x[0].tolist())
 
 
@@ -258,6 +259,7 @@ def fill_spans(model, tok, special, prompt, cfg, device):
         raise UsageError(f"the prompt has {prompt.count(MASK)} {MASK}s; this model fills at most "
                          f"{n_sentinel - 1} spans: use fewer")
     ids, _, pieces = blanks(model, tok, prompt, lambda k: sentinels[k])
+    ends = tok.specials() - set(sentinels)  # a pretrained T5's </s> and padding
     out, shown, text = [special["start"]], 0, tok.streamer()  # shown: pieces written after the first
     write(pieces[0])
     for t in model.generate_tokens(torch.tensor([out], device=device), cfg.max_new_tokens, cfg.temperature,
@@ -271,6 +273,8 @@ def fill_spans(model, tok, special, prompt, cfg, device):
                 write(pieces[shown])
             if shown == len(pieces) - 1:
                 break
+        elif t in ends:
+            break
         elif t < tok.vocab_size and t not in sentinels:
             write(text(t))
     write(text(None))

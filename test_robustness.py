@@ -190,6 +190,7 @@ def test_a_resumed_run_may_change_attn_impl_and_dropout_and_says_which_settings_
     for f in ("ckpt.pt", "best.pt"):  # as if trained through the Triton kernel on a GPU
         ckpt = torch.load(d / "out-kernel" / f, weights_only=True)
         ckpt["model_config"]["attn_impl"] = "triton"
+        ckpt["model_config"]["linear_impl"] = "onednn"  # as earlier versions wrote: a run-time choice, since gone
         torch.save(ckpt, d / "out-kernel" / f)
     cpu = {"TRITON_INTERPRET": "0"}  # as users run it: no interpreter
     code, out, err = run("sample.py", "--out_dir=out-kernel", "--max_new_tokens=5", cwd=d, env=cpu)
@@ -207,6 +208,7 @@ def test_a_resumed_run_may_change_attn_impl_and_dropout_and_says_which_settings_
     assert [(g["betas"], g["weight_decay"]) for g in saved["optimizer"]["param_groups"]] == [((0.9, 0.5), 0.05),
                                                                                              ((0.9, 0.5), 0.0)]
     assert [saved["model_config"][k] for k in ("attn_impl", "dropout")] == ["auto", 0.1]
+    assert "linear_impl" not in saved["model_config"]
 
 
 class RunsCode:

@@ -595,6 +595,9 @@ def test_train_finetunes_a_pretrained_gpt2_from_its_own_loss_then_resumes_sample
     # export: transformers reads the finetuned model with our logits
     code, out, err = run("hf.py", "export", "out-finetune", "hf-finetune", cwd=d)
     assert code == 0, err
+    written = files_under(d / "hf-finetune")
+    one_line_error(run("hf.py", "export", "out-finetune", "hf-finetune", cwd=d), "hf-finetune is not empty")
+    assert files_under(d / "hf-finetune") == written  # nothing overwritten
     import transformers
     mine, _, _ = common.load_model(str(d / "out-finetune"), torch.device("cpu"))  # best.pt, as exported
     theirs = transformers.AutoModelForCausalLM.from_pretrained(d / "hf-finetune").eval()
@@ -650,3 +653,25 @@ def test_prepare_takes_a_hugging_face_tokenizer_and_sample_streams_its_text(tmp_
         ids = llama.generate(torch.tensor([tok.encode("LEAR:").ids]), do_sample=False, max_new_tokens=12,
                              pad_token_id=0)[0].tolist()
     assert out.split("\n---------------\n")[0] == tok.decode(ids)  # streamed piece by piece, the same text
+
+
+def test_a_hugging_face_tokenizers_stream_keeps_the_space_its_decoder_takes_from_the_context():
+    tokenizers = pytest.importorskip("tokenizers")
+    # SentencePiece-style: a word's leading space is a "▁" that the decoder drops at the start of a text
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tok.decoder = tokenizers.decoders.Metaspace()
+    tok.train_from_iterator(corpus(300).splitlines(), tokenizers.trainers.BpeTrainer(vocab_size=200,
+                                                                                     special_tokens=["<unk>"]))
+    ours = common.Tokenizer(dict(tokenizer="hf", tokenizer_json=tok.to_str()))
+    prompt, new = ours.encode("LEAR: sweet"), ours.encode(" sorrow, fair lord")
+    assert ours.decode(new) != " sorrow, fair lord"  # alone, the first word loses its space
+    text = ours.streamer(prompt)
+    assert "".join(map(text, new)) + text(None) == " sorrow, fair lord"
+
+
+def test_a_mistyped_init_from_is_not_taken_for_a_model_to_download(workdir):
+    d, _ = workdir
+    for script in ("train.py", "sample.py"):
+        one_line_error(run(script, "--init_from=resum", "--dataset=verse", *TINY, cwd=d) if script == "train.py" else
+                       run(script, "--init_from=resum", cwd=d), "'resum' is no model directory: did you mean resume?")

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hf
 import kernels
-from common import (N_SENTINEL, TRAIN_RANGES, TrainConfig, UsageError, batch_rng, check_ranges, configure_optimizer,
+from common import (TRAIN_RANGES, TrainConfig, UsageError, batch_rng, check_ranges, configure_optimizer,
                     eval_rng, flops_per_token, get_batch, load_checkpoint, load_data, model_vocab_size,
                     optimizer_step, out_of_memory, parse_settings, peak_flops, pick_device, pick_dtype,
                     save_atomic, span_counts, special_tokens, sync, usage)
@@ -144,7 +144,7 @@ def model_config_of(cfg, model_args, meta, ckpt):
     if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab", "tokenizer_json")):
         if cfg.init_from != "resume":
             raise UsageError(f"dataset {cfg.dataset!r} was not prepared with {source}'s tokenizer: prepare it with "
-                             f"python prepare.py text --input ... --tokenizer {source}")
+                             f"python prepare.py text --input ... --tokenizer {ckpt['path']}")
         raise UsageError(f"{source} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
                          f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with its --dataset")
     # as in nanoGPT, training settings come from the command line and config file, not the
@@ -156,19 +156,19 @@ def model_config_of(cfg, model_args, meta, ckpt):
     return config
 
 
-def check_fits(config, cfg, data, device):
+def check_fits(config, cfg, data, device, tokens):
     """Settings of the right kinds that still cannot train together, refused before any work."""
     L = config.block_size
-    if config.arch == "encoder-decoder":
-        n_noise, n_spans = span_counts(L, cfg.noise_density, cfg.mean_span) if L >= 2 else (0, 0)
-        for bad, fix in [(L < 2, f"span corruption hides part of each sequence: block_size={L} must be at least 2"),
-                         (n_spans + 1 > N_SENTINEL, f"span corruption of {L} tokens needs {n_spans + 1} sentinels, "
-                          f"more than {N_SENTINEL}: lower block_size or raise mean_span"),
-                         (config.pos == "learned" and n_noise + n_spans + 1 > L, f"span corruption of {L} tokens "
-                          f"gives the decoder {n_noise + n_spans + 1} tokens, more than the {L} learned positions: "
-                          "lower noise_density, or use relative positions")]:
-            if bad:
-                raise UsageError(fix)
+    if config.arch == "encoder-decoder":  # span corruption: a part of each sequence, in spans, each a sentinel
+        if L < 2:
+            raise UsageError(f"span corruption hides part of each sequence: block_size={L} must be at least 2")
+        n_noise, n_spans = span_counts(L, cfg.noise_density, cfg.mean_span)
+        if n_spans + 1 > tokens["n_sentinel"]:
+            raise UsageError(f"span corruption of {L} tokens needs {n_spans + 1} sentinels, more than "
+                             f"{tokens['n_sentinel']}: lower block_size or raise mean_span")
+        if config.pos == "learned" and n_noise + n_spans + 1 > L:
+            raise UsageError(f"span corruption of {L} tokens gives the decoder {n_noise + n_spans + 1} tokens, more "
+                             f"than the {L} learned positions: lower noise_density, or use relative positions")
     if config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET:
         raise UsageError("attn_impl='triton' runs on CUDA GPUs: use --attn_impl=auto (torch's SDPA here)")
     for split, d in data.items():
@@ -300,6 +300,7 @@ def main(argv):
     train_args, model_args = parse_settings(argv, TrainConfig, ModelConfig, skip=("vocab_size",))
     cfg = TrainConfig(**train_args)
     check_ranges(cfg, TRAIN_RANGES)
+    STOP.clear()  # signals from an earlier run in this process (tests) are not this run's
     with ExitStack() as held:  # what the run holds until it ends, however it ends: its lock on out_dir
         try:
             return train(cfg, model_args, held)
@@ -342,7 +343,8 @@ def train(cfg, model_args, held):
         model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"))
         ckpt["model"] = model.state_dict()
     config = model_config_of(cfg, model_args, meta, ckpt)
-    check_fits(config, cfg, data, device)
+    tokens = ckpt["tokens"] if ckpt else special_tokens(meta["vocab_size"])  # the objectives' own tokens
+    check_fits(config, cfg, data, device, tokens)
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
         dist.init_process_group(backend=cfg.backend if cfg.backend != "auto" else
                                 "nccl" if device.type == "cuda" else "gloo")
@@ -352,12 +354,10 @@ def train(cfg, model_args, held):
     optimizer = configure_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None)  # evaluated_at: the last full eval
-    tokens = special_tokens(meta["vocab_size"])
     if ckpt is not None:
         for k in [k for k in ckpt["model"] if k.endswith("wpe.weight")]:  # a shorter block_size: fewer positions
             ckpt["model"][k] = ckpt["model"][k][: config.block_size]
         model.load_state_dict(ckpt["model"])
-        tokens = ckpt["tokens"]
     if cfg.init_from == "resume":
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])  # the moments, and the checkpoint's betas and decay...
@@ -436,8 +436,9 @@ def loop(run, it, progress, writes, dtype):
             log(f"iter {it}: loss is {step_loss.item()}: step skipped ({bad_steps} in a row)")
             if bad_steps >= cfg.max_bad_steps:
                 if MASTER:
-                    print(f"train.py: stopping: the loss was not finite for {bad_steps} steps in a row; {kept(ckpt_path, saved_at)}: "
-                          "lower learning_rate, raise warmup_iters or set grad_clip", file=sys.stderr)
+                    print(f"train.py: stopping: the loss was not finite for {bad_steps} steps in a row; "
+                          f"{kept(ckpt_path, saved_at)}: lower learning_rate, raise warmup_iters or set grad_clip",
+                          file=sys.stderr)
                 return 1
             it += 1
             continue
