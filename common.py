@@ -317,22 +317,27 @@ CKPT_KEYS = {"model", "optimizer", "scaler", "model_config", "train_config", "it
              "tokens", "meta"}  # what train.py writes
 
 
-def load_checkpoint(path, hint=None):
-    """A checkpoint that train.py wrote, read into host memory, or a one-line UsageError that says
-    what to do instead (hint: what else to try, e.g. the run's other checkpoint). Only tensors and
-    plain data load (weights_only): a shared checkpoint that holds any other object, whose loading
-    would run code, is refused before anything in it runs."""
-    if not os.path.exists(path):
-        raise UsageError(f"no checkpoint at {path}: {hint or 'train first, or point --out_dir at a run'}")
+def load_plain(path, way_out):
+    """What torch.save wrote at path, if it is tensors and plain data only (weights_only): a file
+    that holds any other object, whose loading would run code, is refused in one line before
+    anything in it runs. way_out: what to do about a file that cannot be read at all."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         if found := re.search(r"GLOBAL (\S+)", str(e)):  # torch names the global it refused
-            raise UsageError(f"{path} holds objects that loading would have to run code for ({found[1]}), so it is "
-                             "not loaded: use checkpoints that train.py wrote, or ones from a source you trust "
-                             "re-saved as plain tensors and data") from None
-        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): it is truncated or "
-                         f"corrupted; {hint + ', or ' if hint else ''}start a new run in another out_dir") from None
+            raise UsageError(f"{path} holds objects that loading would have to run code for ({found[1]}), so it "
+                             "is not loaded: use files from a source you trust, re-saved as plain tensors and "
+                             "data") from None
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): {way_out}") from None
+
+
+def load_checkpoint(path, hint=None):
+    """A checkpoint that train.py wrote, read into host memory (load_plain), or a one-line UsageError
+    that says what to do instead (hint: what else to try, e.g. the run's other checkpoint)."""
+    if not os.path.exists(path):
+        raise UsageError(f"no checkpoint at {path}: {hint or 'train first, or point --out_dir at a run'}")
+    ckpt = load_plain(path, f"it is truncated or corrupted; {hint + ', or ' if hint else ''}start a new run in "
+                            "another out_dir")
     if not isinstance(ckpt, dict) or not CKPT_KEYS <= ckpt.keys():
         missing = sorted(CKPT_KEYS - ckpt.keys()) if isinstance(ckpt, dict) else "everything"
         raise UsageError(f"{path} is not a nanoformer checkpoint (it lacks {missing})")

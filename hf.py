@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from common import Tokenizer, UsageError, load_model, special_tokens, tokenizer_meta
+from common import Tokenizer, UsageError, load_model, load_plain, special_tokens, tokenizer_meta
 from model import Int8Linear, ModelConfig, Transformer
 
 
@@ -341,12 +341,9 @@ def read_tensors(path):
 
 def read_bin(file):
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:
-        if "GLOBAL" in str(e) or "weights_only" in str(e):
-            raise HFError(f"{file} holds objects that loading would run code for, so it is not loaded: "
-                          "convert it to safetensors where you trust it") from None
-        raise HFError(f"{file} is not a readable checkpoint ({type(e).__name__}): download it again") from None
+        return load_plain(file, "download it again")
+    except UsageError as e:
+        raise HFError(str(e)) from None
 
 
 def from_pretrained(path_or_name, device="cpu", dtype=None):
