@@ -672,6 +672,6 @@ def test_a_hugging_face_tokenizers_stream_keeps_the_space_its_decoder_takes_from
 
 def test_a_mistyped_init_from_is_not_taken_for_a_model_to_download(workdir):
     d, _ = workdir
-    for script in ("train.py", "sample.py"):
-        one_line_error(run(script, "--init_from=resum", "--dataset=verse", *TINY, cwd=d) if script == "train.py" else
-                       run(script, "--init_from=resum", cwd=d), "'resum' is no model directory: did you mean resume?")
+    for result in in_parallel(lambda: run("train.py", "--init_from=resum", "--dataset=verse", *TINY, cwd=d),
+                              lambda: run("sample.py", "--init_from=resum", cwd=d)):
+        one_line_error(result, "'resum' is no model directory: did you mean resume?")
