@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import kernels
 from common import (TRAIN_RANGES, TrainConfig, UsageError, batch_rng, check_ranges, compile_decode, configure_optimizer,
-                    flops_per_token, get_batch, load_data, load_model, model_vocab_size, optimizer_step,
+                    flops_per_token, get_batch, load_data, load_model, new_model_config, optimizer_step,
                     parse_settings, peak_flops, pick_device, pick_dtype, precision, precision_name, special_tokens,
                     timed)
 from model import Int8Linear, ModelConfig, Transformer, attn_impl, quantize_int8, sample
@@ -59,11 +59,7 @@ def training(argv, rounds=5, iters=20, warmup=10):
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     data, meta = load_data(cfg.data_dir, cfg.dataset)
-    try:
-        config = ModelConfig(vocab_size=model_vocab_size(model_args.get("arch", ModelConfig.arch), meta["vocab_size"]),
-                             **model_args)
-    except ValueError as e:
-        raise UsageError(f"bad model settings: {e}") from None
+    config = new_model_config(model_args, meta["vocab_size"])
     torch.manual_seed(cfg.seed)
     ours = Transformer(config).to(device)
     ref = Transformer(replace(config, attn_impl="sdpa")).to(device)

@@ -623,13 +623,17 @@ def special_tokens(data_vocab):
                 sentinel_step=1)
 
 
-def model_vocab_size(arch, data_vocab):
-    """The data's tokens plus the special ones the objective uses, rounded up to a multiple of 64
-    (which matmuls like): a decoder needs none, an encoder the mask, an encoder-decoder the rest."""
-    tokens = special_tokens(data_vocab)
+def new_model_config(model_args, data_vocab):
+    """The ModelConfig of a new model of these settings for data of data_vocab tokens: its vocabulary
+    is the data's plus the special tokens its objective uses (a decoder none, an encoder the mask, an
+    encoder-decoder the rest), rounded up to a multiple of 64, which matmuls like."""
+    tokens, arch = special_tokens(data_vocab), model_args.get("arch", ModelConfig.arch)
     used = {"decoder": data_vocab, "encoder": tokens["mask"] + 1,
-            "encoder-decoder": tokens["sentinel"] + tokens["n_sentinel"]}[arch]
-    return 64 * math.ceil(used / 64)
+            "encoder-decoder": tokens["sentinel"] + tokens["n_sentinel"]}.get(arch, data_vocab)
+    try:
+        return ModelConfig(vocab_size=64 * math.ceil(used / 64), **model_args)
+    except ValueError as e:
+        raise UsageError(f"bad model settings: {e}") from None
 
 
 def batch_rng(*key):

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hf
 import kernels
 from common import (TRAIN_RANGES, TrainConfig, UsageError, batch_rng, check_ranges, configure_optimizer,
-                    eval_rng, flops_per_token, get_batch, load_checkpoint, load_data, model_vocab_size,
+                    eval_rng, flops_per_token, get_batch, load_checkpoint, load_data, new_model_config,
                     optimizer_step, out_of_memory, parse_settings, peak_flops, pick_device, pick_dtype,
                     save_atomic, span_counts, special_tokens, sync, usage)
 from model import ModelConfig, Transformer
@@ -126,10 +126,9 @@ def model_config_of(cfg, model_args, meta, ckpt):
     resume, or the pretrained model to finetune, where only RUN_TIME settings may change (and a
     pretrained model's block_size may shrink: its position table is cropped)."""
     source = f"{cfg.out_dir}/ckpt.pt" if cfg.init_from == "resume" else cfg.init_from
+    if ckpt is None:
+        return new_model_config(model_args, meta["vocab_size"])
     try:
-        if ckpt is None:
-            arch = model_args.get("arch", ModelConfig.arch)
-            return ModelConfig(vocab_size=model_vocab_size(arch, meta["vocab_size"]), **model_args)
         config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
         may_change = RUN_TIME + ("block_size",) * (cfg.init_from != "resume" and
                                                    model_args.get("block_size", 0) <= config.block_size)
@@ -378,17 +377,18 @@ def train(cfg, model_args, held):
     run = Run(cfg, device, autocast, data, meta, compiled, model, optimizer, scaler, tokens, rank, world)
     for s in (signal.SIGINT, signal.SIGTERM):  # from now on: a checkpoint, then stop
         signal.signal(s, on_signal)
-    return loop(run, it, progress, writes, dtype)
+    return loop(run, it, progress, dtype)
 
 
 def kept(path, saved_at):
     return "no checkpoint was written" if saved_at is None else f"{path} keeps iteration {saved_at}"
 
 
-def loop(run, it, progress, writes, dtype):
+def loop(run, it, progress, dtype):
     """Train from iteration it to max_iters, evaluating and saving every eval_interval. progress:
     the best val loss so far and the iteration of the last evaluation, which checkpoints keep."""
     cfg, device = run.cfg, run.device
+    writes = not cfg.eval_only
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * run.raw_model.config.block_size
     flops_per_iter = flops_per_token(run.raw_model, run.raw_model.config.block_size) * tokens_per_iter / run.world
