@@ -3,30 +3,42 @@ Every benchmark, one per name. Each measures its baseline in the same run, on th
 
     python bench.py train configs/shakespeare_char_cpu.py   # train.py's iteration against nanoGPT's recipe
     python bench.py sample --out_dir=out-shakespeare-char-cpu   # decoding speed; what int8 costs a run
-    python bench.py attention --seqs 1024 4096 --dims 64     # the Triton kernel against torch's (CUDA only)
+    python bench.py sample --out_dir=out-shakespeare-char --draft_dir=out-small --draft_k=4   # speculative
+    python bench.py attention --seqs=1024,4096 --dims=64     # the Triton kernel against torch's (CUDA only)
 
-train takes train.py's settings (a config file, --key=value); sample takes --out_dir, --device,
---dtype and --compile; `python bench.py attention --help` lists the kernel benchmark's options.
+Settings are given as in the other scripts: --key=value, or a config file. A list (--seqs, --dims)
+is written with commas, --seqs=1024,4096, and one value alone as --seqs=1024.
+`python bench.py NAME --help` lists a benchmark's settings.
 """
 
-import argparse
 import copy
+import inspect
 import os
 import resource
+import signal
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+
+# Ctrl-C ends a benchmark quietly (status 130), and a reader that stops early (`| head`) ends it as
+# it ends any Unix tool: no traceback either way, as in the other scripts
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import kernels
-from common import (TRAIN_RANGES, TrainConfig, UsageError, batch_rng, check_ranges, compile_decode, configure_optimizer,
-                    flops_per_token, get_batch, load_data, load_model, new_model_config, optimizer_step,
-                    parse_settings, peak_flops, pick_device, pick_dtype, precision, precision_name, special_tokens,
-                    timed)
-from model import Int8Linear, ModelConfig, Transformer, attn_impl, quantize_int8, sample
+from checkpoint import load_model
+from common import UsageError, check_ranges, parse_settings, usage
+from data import batch_rng, get_batch, load_data, new_model_config, special_tokens
+from device import compile_decode, peak_flops, pick_device, pick_dtype, precision, precision_name, timed
+from train import TRAIN_RANGES, TrainConfig, make_optimizer, optimizer_step
+from model import ModelConfig, Transformer, attn_impl, sample, speculative_generate
+from quantize import Int8Linear, quantize_int8
+from sample import SampleConfig, load_draft
 
 try:
     import triton
@@ -41,7 +53,7 @@ def training_attention(model, device):
     """The attention path ("triton", "sdpa" or "math") that model's training batches take on device:
     whole sequences of block_size tokens, no padding."""
     stack = model.decoder if model.decoder is not None else model.encoder
-    return attn_impl(model.config, device, True, stack.mask(model.config.window), model.config.block_size)
+    return attn_impl(model.config, device, True, stack.pieces(model.config.window), model.config.block_size)
 
 
 def training(argv, rounds=5, iters=20, warmup=10):
@@ -69,9 +81,9 @@ def training(argv, rounds=5, iters=20, warmup=10):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     recipes = {  # each: the model, what runs it, its optimizer and its own gradient scaler
         "nanoGPT's recipe": (ref, torch.compile(ref) if cfg.compile and device.type == "cuda" else ref,
-                             configure_optimizer(ref, cfg, fused=device.type == "cuda")),
+                             make_optimizer(ref, cfg, fused=device.type == "cuda")),
         "train.py": (ours, torch.compile(ours) if cfg.compile else ours,
-                     configure_optimizer(ours, cfg, fused=device.type in ("cuda", "cpu")))}
+                     make_optimizer(ours, cfg, fused=device.type in ("cuda", "cpu")))}
     recipes = {k: (*v, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)) for k, v in recipes.items()}
 
     def forward_backward(compiled, scaler, it):
@@ -94,22 +106,9 @@ def training(argv, rounds=5, iters=20, warmup=10):
             optimizer_step(model, opt, scaler, cfg.grad_clip)
         if it == 0:
             first = apart()
-    times = {name: [] for name in recipes}  # per round: (forward+backward, update) seconds per iteration
-    memory = {name: 0 for name in recipes}  # on a GPU: the peak above what both models hold between iterations
-    for r in range(rounds):
-        for name, (model, compiled, opt, scaler) in recipes.items():
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                resident = torch.cuda.memory_allocated(device)
-            spent = [0.0, 0.0]
-            for it in range(warmup + r * iters, warmup + (r + 1) * iters):
-                spent[0] += timed(lambda: forward_backward(compiled, scaler, it), device)[1] / iters
-                spent[1] += timed(lambda: optimizer_step(model, opt, scaler, cfg.grad_clip), device)[1] / iters
-            times[name].append(spent)
-            if device.type == "cuda":
-                memory[name] = max(memory[name], torch.cuda.max_memory_allocated(device) - resident)
+    times, memory = time_rounds(recipes, forward_backward, cfg.grad_clip, device, rounds, iters, warmup)
     tokens = cfg.gradient_accumulation_steps * cfg.batch_size * config.block_size
-    flops = flops_per_token(ours, config.block_size) * tokens
+    flops = ours.flops_per_token(config.block_size) * tokens
     peak = peak_flops(device, dtype)[0]
     median = {name: sorted(ts, key=sum)[rounds // 2] for name, ts in times.items()}
     base = sum(median["nanoGPT's recipe"])
@@ -133,8 +132,29 @@ def training(argv, rounds=5, iters=20, warmup=10):
     return 0
 
 
+def time_rounds(recipes, forward_backward, grad_clip, device, rounds, iters, warmup):
+    """Each recipe's (forward+backward, update) seconds per iteration in each round, the recipes
+    taking turns round by round; and on a GPU, its peak memory above what both models hold
+    between iterations."""
+    times = {name: [] for name in recipes}
+    memory = {name: 0 for name in recipes}
+    for r in range(rounds):
+        for name, (model, compiled, opt, scaler) in recipes.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                resident = torch.cuda.memory_allocated(device)
+            spent = [0.0, 0.0]
+            for it in range(warmup + r * iters, warmup + (r + 1) * iters):
+                spent[0] += timed(lambda: forward_backward(compiled, scaler, it), device)[1] / iters
+                spent[1] += timed(lambda: optimizer_step(model, opt, scaler, grad_clip), device)[1] / iters
+            times[name].append(spent)
+            if device.type == "cuda":
+                memory[name] = max(memory[name], torch.cuda.max_memory_allocated(device) - resident)
+    return times, memory
+
+
 # ----------------------------------------------------------------------------------------------
-# Decoding: python bench.py sample [--out_dir=DIR] [--compile=True] [--device=cuda] [--dtype=bfloat16]
+# Decoding: python bench.py sample [--out_dir=DIR] [--draft_dir=DIR] [--compile] [--device=cuda] [--dtype=bfloat16]
 
 @dataclass
 class DecodeConfig:
@@ -142,6 +162,10 @@ class DecodeConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False  # torch.compile the one-token decoding step
+    draft_dir: str = ""  # instead: out_dir's model alone against speculative decoding with this run as the draft
+    draft_k: int = 4  # ...tokens the draft proposes per step
+    max_new_tokens: int = 500  # ...tokens each timed run generates
+    temperature: float = 0.8  # ...0 = greedy; top_k, top_p and the prompt as sample.py's defaults
 
 
 def floor_seconds(model, x_dtype, reps=5):
@@ -164,11 +188,16 @@ def no_cache_generate(model, idx, n):
 
 def decoding(argv):
     """Tokens/s decoding a GPT-2-124M-shaped model with random weights at batch 1, and what int8
-    weights cost a trained model in out_dir."""
+    weights cost a trained model in out_dir. With draft_dir: tokens/s of out_dir's model alone and
+    with speculative decoding, as sample.py decodes, and the ratio."""
     cfg = DecodeConfig(**parse_settings(argv, DecodeConfig)[0])
+    check_ranges(cfg, dict(draft_k="[1, inf)", max_new_tokens="[1, inf)", temperature="[0, inf)"))
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     torch.set_flush_denormal(True)  # as sample.py runs
+    if cfg.draft_dir:
+        speculative_speed(cfg, device, dtype)
+        return 0
     decode_speed(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
                  device, dtype, cfg.compile)
     if os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):
@@ -220,6 +249,41 @@ def decode_speed(config, device, dtype, compile=False, news=(64, 256), prompt=16
                   f"{1 / rates['cache'] / floor:>15.2f}x")
 
 
+def speculative_speed(cfg, device, dtype, rounds=3):
+    """The target in out_dir alone, then drafted for by the model in draft_dir, taking turns round by
+    round from sample.py's default prompt; each at its median round."""
+    weights, autocast = precision(dtype, device)  # as sample.py samples
+    model, tok, _ = load_model(cfg.out_dir, device, weights)
+    draft = load_draft(cfg.draft_dir, model, tok, device)
+    if cfg.compile:
+        compile_decode(model, device)
+    if tok.unknown(SampleConfig.start):
+        raise UsageError(f"the model in {cfg.out_dir} cannot encode sample.py's default prompt {SampleConfig.start!r}")
+    idx = torch.tensor([tok.encode(SampleConfig.start, special=True)], device=device)
+    n, how = cfg.max_new_tokens, (cfg.temperature, SampleConfig.top_k, SampleConfig.top_p)
+    runs = {"target alone": lambda: (model.generate(idx, n, *how, vocab_limit=tok.vocab_size), 0, 0),
+            "speculative": lambda: speculative_generate(model, draft, idx, n, cfg.draft_k, *how, tok.vocab_size)}
+    times, accepted, proposed = {name: [] for name in runs}, 0, 0
+    torch.manual_seed(0)
+    with autocast:
+        for run in runs.values():  # warm up (and compile) outside the timings
+            run()
+        for _ in range(rounds):
+            for name, run in runs.items():
+                (_, a, p), dt = timed(run, device)
+                times[name].append(dt)
+                accepted, proposed = accepted + a, proposed + p
+    rate = {name: n / sorted(ts)[rounds // 2] for name, ts in times.items()}
+    size = lambda m: f"{sum(w.numel() for w in m.parameters()) / 1e6:.2f}M parameters"  # noqa: E731
+    print(f"speculative decoding: target {cfg.out_dir} ({size(model)}), draft {cfg.draft_dir} ({size(draft)}), "
+          f"k={cfg.draft_k}; {n} new tokens, temperature {cfg.temperature:g}, {precision_name(weights, dtype)} on "
+          f"{device}{', compiled decode step' if cfg.compile else ''}; median of {rounds} rounds")
+    print(f"target alone: {rate['target alone']:9,.1f} tokens/s")
+    print(f"speculative:  {rate['speculative']:9,.1f} tokens/s (draft tokens accepted {accepted}/{proposed}, "
+          f"{accepted / max(proposed, 1):.1%})")
+    print(f"speed-up: {rate['speculative'] / rate['target alone']:.2f}x")
+
+
 def int8_quality(out_dir, device, n_batches=50):
     """What int8 weights cost a trained model: its loss on the same validation batches before and
     after, and the largest logit difference."""
@@ -240,7 +304,25 @@ def int8_quality(out_dir, device, n_batches=50):
 
 
 # ----------------------------------------------------------------------------------------------
-# The attention kernel: python bench.py attention [--seqs 1024 4096] [--dims 64]
+# The attention kernel: python bench.py attention [--seqs=1024,4096] [--dims=64]
+
+@dataclass
+class AttentionConfig:
+    seqs: tuple | int = (512, 1024, 2048, 4096, 8192, 16384)  # sequence lengths T: --seqs=1024,4096 (or --seqs=1024)
+    dims: tuple | int = (64, 128)  # head sizes D: --dims=64,128 (or --dims=64)
+    tokens: int = 16384  # batch size * sequence length, kept constant
+    width: int = 2048  # heads * head size, kept constant
+    dtype: str = "bfloat16"  # or "float16"
+    no_math: bool = False  # skip the math path, which writes out T x T: slow and memory-hungry
+
+
+def sizes(cfg, key):
+    """A list setting (--seqs=1024,4096, or one value, --seqs=1024) as a tuple of positive ints."""
+    value = getattr(cfg, key) if isinstance(getattr(cfg, key), tuple) else (getattr(cfg, key),)
+    if not value or not all(type(x) is int and x > 0 for x in value):
+        raise UsageError(f"{key}={getattr(cfg, key)!r} should be positive whole numbers: write --{key}=1024,4096")
+    return value
+
 
 def _math_attention(q, k, v, causal):
     """Attention that writes out the T x T matrix, as model.py's math path does."""
@@ -320,28 +402,21 @@ def _attention_row(methods, D, causal, T, B, H, dtype):
 
 
 def attention(argv):
-    """TFLOP/s and memory of kernels.flash_attention against torch's attention, on a CUDA GPU."""
-    parser = argparse.ArgumentParser(prog="bench.py attention",
-                                     description="TFLOP/s and memory of flash_attention against torch (CUDA only)")
-    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="head sizes")
-    parser.add_argument("--tokens", type=int, default=16384, help="batch size * sequence length, kept constant")
-    parser.add_argument("--width", type=int, default=2048, help="heads * head size, kept constant")
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    parser.add_argument("--no-math", action="store_true", help="skip the slow, memory-hungry math path")
-    args = parser.parse_args(argv)
+    """TFLOP/s and memory of kernels.flash_attention against torch's attention, on a CUDA GPU: each
+    head size D, causal or not, at each sequence length T, with B * T and H * D kept constant."""
+    cfg = AttentionConfig(**parse_settings(argv, AttentionConfig)[0])
+    check_ranges(cfg, dict(tokens="[1, inf)", width="[1, inf)", dtype=("bfloat16", "float16")))
+    seqs, dims = sizes(cfg, "seqs"), sizes(cfg, "dims")
     if not torch.cuda.is_available() or kernels.INTERPRET or not kernels.available:
         why = ("no CUDA GPU found" if not torch.cuda.is_available() else
                "TRITON_INTERPRET is set" if kernels.INTERPRET else "triton is not installed")
-        print(f"bench.py attention: needs a CUDA GPU and compiled Triton kernels ({why})", file=sys.stderr)
-        return 2
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        raise UsageError(f"attention needs a CUDA GPU and compiled Triton kernels ({why})")
+    dtype = getattr(torch, cfg.dtype)
     methods = {"triton": _triton, "sdpa": _sdpa, "sdpa-flash": _sdpa_flash}
-    if not args.no_math:
+    if not cfg.no_math:
         methods["math"] = _math_attention
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | {args.dtype}")
-    print(f"B * T = {args.tokens} tokens, H * D = {args.width}. TFLOP/s: forward 4·B·H·T²·D (half that when "
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | {cfg.dtype}")
+    print(f"B * T = {cfg.tokens} tokens, H * D = {cfg.width}. TFLOP/s: forward 4·B·H·T²·D (half that when "
           f"causal), forward+backward 3.5x the forward.\nMiB: peak memory above the inputs during forward+backward. "
           f"err: max |triton - sdpa-flash| of the forward output.")
     header = f"{'D':>4} {'causal':>6} {'T':>6} {'B':>4} {'H':>3}"
@@ -349,10 +424,10 @@ def attention(argv):
         header += f" | {name + ' fwd':>15} {'fwd+bwd':>7} {'MiB':>7}"
     print(header + f" | {'err':>7}")
     print("-" * (len(header) + 10))
-    for D in args.dims:
+    for D in dims:
         for causal in (False, True):
-            for T in args.seqs:
-                B, H = max(1, args.tokens // T), max(1, args.width // D)
+            for T in seqs:
+                B, H = max(1, cfg.tokens // T), max(1, cfg.width // D)
                 print(_attention_row(methods, D, causal, T, B, H, dtype), flush=True)
                 torch.cuda.empty_cache()  # the row's tensors are gone: give their memory back
     return 0
@@ -360,15 +435,35 @@ def attention(argv):
 
 # ----------------------------------------------------------------------------------------------
 
-BENCHES = {"train": training, "sample": decoding, "attention": attention}
+# each benchmark: its function, and the settings it parses (which --help lists) but those it skips
+BENCHES = {"train": (training, (TrainConfig, ModelConfig), ("vocab_size",)),
+           "sample": (decoding, (DecodeConfig,), ()),
+           "attention": (attention, (AttentionConfig,), ())}
+
+
+def main(argv):
+    name, rest = (argv[0], argv[1:]) if argv else (None, [])
+    if name in ("-h", "--help"):
+        print("\n\n".join([__doc__.strip()] + [help_of(n) for n in BENCHES]))
+        return 0
+    if name not in BENCHES:
+        raise UsageError(f"{f'unknown benchmark {name!r}' if name else 'no benchmark named'}: choose one of "
+                         f"{', '.join(BENCHES)} (python bench.py --help lists their settings)")
+    if {"-h", "--help"} & set(rest):
+        print(help_of(name))
+        return 0
+    return BENCHES[name][0](rest)
+
+
+def help_of(name):
+    """A benchmark's --help: what it measures, then its settings."""
+    run, classes, skip = BENCHES[name]
+    return usage(f"python bench.py {name}: {inspect.cleandoc(run.__doc__)}", *classes, skip=skip)
+
 
 if __name__ == "__main__":
-    name = sys.argv[1] if len(sys.argv) > 1 else None
     try:
-        if name not in BENCHES:
-            raise UsageError(f"{f'unknown benchmark {name!r}' if name else 'no benchmark named'}: choose one of "
-                             f"{', '.join(BENCHES)}")
-        sys.exit(BENCHES[name](sys.argv[2:]))
+        sys.exit(main(sys.argv[1:]))
     except UsageError as e:
         print(f"bench.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -5,7 +5,7 @@ Hugging Face checkpoints in and out.
     model = from_pretrained("path/to/hf-dir")   # config.json + safetensors (or pytorch_model.bin)
     save_pretrained(model, "path/to/out")        # transformers' Auto* classes load it: same logits
 
-    python hf.py export OUT_DIR HF_DIR           # a run's checkpoint -> a Hugging Face directory
+    python hf.py export OUT_DIR HF_DIR           # a run's best.pt (--ckpt=latest: ckpt.pt) -> a Hugging Face directory
 
 Each family is a name map, read once: our parameter -> the Hugging Face tensors it is made of
 (several are concatenated along their first dim: q, k, v into c_attn). The few transformations
@@ -21,14 +21,18 @@ import math
 import os
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from common import Tokenizer, UsageError, load_model, load_plain, special_tokens, tokenizer_meta
-from model import Int8Linear, ModelConfig, Transformer
+from checkpoint import load_model, load_plain
+from common import UsageError, check_ranges, parse_settings, usage
+from data import special_tokens
+from tokenizer import Tokenizer, tokenizer_meta
+from model import ModelConfig, Transformer
+from quantize import Int8Linear
 
 
 class HFError(ValueError):
@@ -473,28 +477,36 @@ def save_pretrained(model, path, **hf_config):
 # ----------------------------------------------------------------------------------------------
 # The command line
 
-USAGE = "usage: python hf.py export OUT_DIR HF_DIR   (a run's best.pt, else ckpt.pt -> a Hugging Face directory)"
+@dataclass
+class ExportConfig:
+    command: str = ""  # "export": the first word
+    out_dir: str = ""  # the run to export; the second word
+    hf_dir: str = ""  # a new directory for transformers; the third word
+    ckpt: str = "best"  # "best" (lowest val loss, best.pt) or "latest" (ckpt.pt)
 
 
 def main(argv):
-    if len(argv) != 3 or argv[0] != "export":
-        print(USAGE, file=sys.stderr)
-        return 2
-    out_dir, hf_dir = argv[1:]
-    if os.path.isdir(hf_dir) and os.listdir(hf_dir):
-        print(f"hf.py: error: {hf_dir} is not empty: give a new directory (nothing is overwritten)", file=sys.stderr)
-        return 2
+    if {"-h", "--help"} & set(argv):
+        print(usage(__doc__, ExportConfig, files=False))
+        return 0
+    cfg = ExportConfig(**parse_settings(argv, ExportConfig, positional=("command", "out_dir", "hf_dir"), files=False)[0])
+    check_ranges(cfg, dict(command=("export",), ckpt=("best", "latest")))
+    if not cfg.out_dir or not cfg.hf_dir:
+        raise UsageError("name the run and a new directory: python hf.py export OUT_DIR HF_DIR")
+    if os.path.isdir(cfg.hf_dir) and os.listdir(cfg.hf_dir):
+        raise UsageError(f"{cfg.hf_dir} is not empty: give a new directory (nothing is overwritten)")
+    model, _, ckpt = load_model(cfg.out_dir, torch.device("cpu"), which=cfg.ckpt)
+    start = dict(decoder_start_token_id=ckpt["tokens"]["start"]) if model.config.arch == "encoder-decoder" else {}
     try:
-        model, _, ckpt = load_model(out_dir, torch.device("cpu"))  # best.pt, else ckpt.pt
-        start = dict(decoder_start_token_id=ckpt["tokens"]["start"]) if model.config.arch == "encoder-decoder" else {}
-        family = save_pretrained(model, hf_dir, **start)
-    except (UsageError, ValueError, OSError) as e:  # OSError: HF_DIR cannot be written
-        print(f"hf.py: error: {e}", file=sys.stderr)
-        return 2
-    print(f"hf.py: {FAMILIES[family][0]} written to {hf_dir}")
+        family = save_pretrained(model, cfg.hf_dir, **start)
+    except HFError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:  # HF_DIR cannot be written
+        raise UsageError(f"could not write {cfg.hf_dir} ({e.strerror or e}): choose another directory") from None
+    print(f"hf.py: {FAMILIES[family][0]} written to {cfg.hf_dir}")
     meta = ckpt["meta"]
     if meta["tokenizer"] == "hf":
-        with open(os.path.join(hf_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(cfg.hf_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
             f.write(meta["tokenizer_json"])
     elif meta["tokenizer"] == "char":
         print("hf.py: a character-level vocabulary has no Hugging Face tokenizer: weights and config only "
@@ -503,4 +515,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UsageError as e:
+        print(f"hf.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -172,7 +172,8 @@ def relative_bucket(offset, bidirectional, num_buckets, max_distance):
 # Attention
 
 class Mask(NamedTuple):
-    """Which keys each query may see, the queries being the last Tq of the Tk key positions. The
+    """Which keys each query may see, the queries being the last Tq of the Tk key positions, and the
+    attention path that takes it, in that path's form (Stack.mask picks both once per forward). The
     Triton kernel takes the pieces; SDPA and the math path one dense additive `bias` (B|1, nh|1,
     Tq, Tk): the position bias where a query may look, -inf where not (see Stack.attn_bias)."""
     causal: bool = False
@@ -180,6 +181,7 @@ class Mask(NamedTuple):
     alibi: torch.Tensor | None = None  # (nh,) ALiBi slopes
     valid: torch.Tensor | None = None  # (B, Tk) False for padding keys
     bias: torch.Tensor | None = None  # the dense form; None when nothing or `causal` alone applies
+    impl: str = "sdpa"  # "triton" (takes the pieces), "sdpa" or "math" (take causal and bias)
 
 
 # "auto" takes the Triton kernel only where it was measured faster than SDPA (docs/kernels.md):
@@ -192,9 +194,10 @@ KERNEL_MIN_QUERIES = 64
 
 
 def attn_impl(config, device, training, mask, Tq):
-    """The attention path for Tq queries under this mask: the config's, or for "auto" the Triton
-    kernel where it is the faster and applies (a CUDA GPU of compute capability 8.0, Ampere, or
-    later; no relative bias, no attention dropout, heads of at most 128), else torch's SDPA."""
+    """The one place the attention path is chosen: for Tq queries under this mask (in pieces), the
+    config's, or for "auto" the Triton kernel where it is the faster and applies (a CUDA GPU of
+    compute capability 8.0, Ampere, or later; no relative bias, no attention dropout, heads of at
+    most 128), else torch's SDPA. Stack.mask asks it once per forward and mask, not every layer."""
     if config.attn_impl != "auto":
         return config.attn_impl
     plain = mask.bias is None and not mask.window and mask.alibi is None and mask.valid is None
@@ -215,11 +218,12 @@ def distance(Tq, Tk, device):
     return torch.arange(Tk - Tq, Tk, device=device)[:, None] - torch.arange(Tk, device=device)
 
 
-def attention(q, k, v, mask, impl="sdpa", dropout=0.0):
-    """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs).
-    Each group of nh / n_kv_head query heads shares one key/value head (grouped-query attention).
-    Returns the output (B, nh, Tq, hs) and, on the math path, the weights (B, nh, Tq, Tk)."""
-    if impl == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
+def attention(q, k, v, mask, dropout=0.0):
+    """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs),
+    on the path mask.impl. Each group of nh / n_kv_head query heads shares one key/value head
+    (grouped-query attention). Returns the output (B, nh, Tq, hs) and, on the math path, the
+    weights (B, nh, Tq, Tk)."""
+    if mask.impl == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
         dtype = autocast_dtype(q.device, q.dtype)  # autocast casts SDPA's inputs, not a custom op's
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return kernels.flash_attention(q, k, v, causal=mask.causal, window=mask.window,
@@ -230,7 +234,7 @@ def attention(q, k, v, mask, impl="sdpa", dropout=0.0):
         future = distance(Tq, Tk, q.device) < 0
         bias = torch.zeros(Tq, Tk, dtype=q.dtype, device=q.device).masked_fill(future, float("-inf"))
     causal = mask.causal and bias is None  # Tq == Tk here
-    if impl == "sdpa":
+    if mask.impl == "sdpa":
         # fused kernels (flash attention when causal and unbiased) never build the Tq x Tk matrix
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
                                               is_causal=causal, enable_gqa=True), None
@@ -285,8 +289,10 @@ class Attention(nn.Module):
             self.c_attn = nn.Linear(config.n_embd, q_size + 2 * kv_size, bias=config.bias)
         self.c_proj = nn.Linear(q_size, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.kv_cache = None  # set by Transformer.setup_kv_cache: a KVCache, or (k, v) of the memory
-        self.att = None  # the last attention weights, kept on the math path for inspection
+        # both set by Transformer.setup_kv_cache while generating
+        self.kv_cache = None  # self-attention: a KVCache of the keys and values seen so far
+        self.memory_kv = None  # cross-attention: (k, v) of the encoder's output, computed once
+        self.weights_hook = None  # sample.py's attention page: a function given the math path's weights
 
     def heads(self, x):
         return x.unflatten(-1, (-1, self.config.head_size)).transpose(1, 2)  # (B, T, n * hs) -> (B, n, T, hs)
@@ -298,7 +304,7 @@ class Attention(nn.Module):
         c = self.config
         if self.cross:  # keys and values of the encoder's output: computed once when generating
             q = self.heads(self.c_q(x))
-            k, v = self.kv_cache if self.kv_cache is not None else self.kv(memory)
+            k, v = self.memory_kv if self.memory_kv is not None else self.kv(memory)
         else:  # q, k, v heads one after another: (B, n_head + 2 * n_kv_head, T, hs)
             q, k, v = self.heads(self.c_attn(x)).split((c.n_head, c.n_kv_head, c.n_kv_head), dim=1)
             if rope is not None:
@@ -306,9 +312,9 @@ class Attention(nn.Module):
             if self.kv_cache is not None:
                 k, v = self.kv_cache(k, v)
         dropout = c.dropout if self.training else 0.0
-        y, att = attention(q, k, v, mask, attn_impl(c, x.device, self.training, mask, x.size(1)), dropout)
-        if att is not None:
-            self.att = att.detach()
+        y, att = attention(q, k, v, mask, dropout)  # on the path the stack chose for this mask
+        if self.weights_hook is not None and att is not None:
+            self.weights_hook(att.detach())
         y = y.transpose(1, 2).flatten(2)  # (B, nh, T, hs) -> (B, T, nh * hs): heads side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -411,7 +417,7 @@ class Stack(nn.Module):
 
     def __init__(self, config, causal, cross=False):
         super().__init__()
-        self.config, self.causal = config, causal
+        self.config, self.causal, self.cross = config, causal, cross
         if config.pos == "learned":
             self.wpe = nn.Embedding(config.block_size, config.n_embd)
         if config.pos == "relative":  # one table per stack, shared by its layers (as in T5)
@@ -441,20 +447,33 @@ class Stack(nn.Module):
         # with relative positions is a sliding-window model (absolute ones recompute, see generate_tokens)
         window = c.window if self.cache_valid is None else min(c.window or c.block_size, c.block_size)
         T = x.size(1)
-        mask = self.mask(window, valid)
-        if attn_impl(c, x.device, self.training, mask, T) != "triton":
-            mask = Mask(self.causal, bias=self.attn_bias(T, T if valid is None else valid.size(1), valid, window, x.device))
-        memory_mask = Mask(valid=memory_valid)
-        if attn_impl(c, x.device, self.training, memory_mask, T) != "triton":
-            memory_mask = Mask(bias=None if memory_valid is None else padding_bias(memory_valid))
+        mask = self.mask(T, window, valid, x.device)
+        memory_mask = self.memory_mask(T, memory_valid, x.device) if self.cross else None
         cos_sin = rope(pos, c.head_size, c.rope_theta, c.rope_scaling) if c.pos == "rope" else None
         for block in self.h:
             x = block(x, mask, cos_sin, memory, memory_mask)
         return self.ln_f(x) if c.norm_first else x
 
-    def mask(self, window, valid=None):
-        """What each query may see, in pieces, the form the kernel takes."""
+    def pieces(self, window, valid=None):
+        """What each query may see, in pieces: the form the kernel takes, and what attn_impl reads."""
         return Mask(self.causal, window, self.slopes if self.config.pos == "alibi" else None, valid)
+
+    def mask(self, Tq, window, valid, device):
+        """The self-attention mask of Tq queries (valid (B, Tk): False for padding keys) with its
+        attention path, chosen once here for every layer, and built once in that path's form."""
+        pieces = self.pieces(window, valid)
+        impl = attn_impl(self.config, device, self.training, pieces, Tq)
+        if impl == "triton":
+            return pieces._replace(impl=impl)
+        Tk = Tq if valid is None else valid.size(1)
+        return Mask(self.causal, bias=self.attn_bias(Tq, Tk, valid, window, device), impl=impl)
+
+    def memory_mask(self, Tq, valid, device):
+        """The same for cross-attention to the encoder's output, whose padding is valid (B, S)."""
+        impl = attn_impl(self.config, device, self.training, Mask(valid=valid), Tq)
+        if impl == "triton":
+            return Mask(valid=valid, impl=impl)
+        return Mask(bias=None if valid is None else padding_bias(valid), impl=impl)
 
     def attn_bias(self, Tq, Tk, valid, window, dev):
         """What each query may see, as Mask's dense `bias` (B|1, nh|1, Tq, Tk); None when plain
@@ -524,7 +543,7 @@ class Transformer(nn.Module):
         if c.arch == "encoder":
             x = self.mlm_head(self.encoder(self.wte(idx), pos, mask))
         else:
-            if src is None and c.arch == "encoder-decoder" and self.decoder.h[0].cross_attn.kv_cache is None:
+            if src is None and c.arch == "encoder-decoder" and self.decoder.h[0].cross_attn.memory_kv is None:
                 raise ValueError("an encoder-decoder needs src: model(idx, targets, src=src)")
             memory = None if src is None else self.encode(src, src_mask)
             x = self.decoder(self.wte(idx), pos, mask, memory, src_mask)
@@ -546,6 +565,23 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}, the "
                              "end of the learned position table: crop the input")
 
+    def optimizer_groups(self, weight_decay):
+        """AdamW's two parameter groups: matrices (weights of Linear and Embedding) decay; biases and
+        norm gains do not (decay would pull a gain toward 0, not toward its neutral 1)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    def flops_per_token(self, T):
+        """Training FLOPs per token at context T (PaLM appendix B): 6 per weight, plus attention's
+        12 * layers * heads * head_size * T, per stack. Position tables count no weight FLOPs."""
+        c = self.config
+        skip = ("wpe", "wte", "lm_head")  # lookups cost nothing; the output layer is added once below
+        n = sum(p.numel() * (c.expert_top_k / c.n_expert if ".experts." in name else 1)  # a token uses k experts
+                for name, p in self.named_parameters() if not any(s in name for s in skip))
+        n += c.vocab_size * c.n_embd  # the output layer, whether it shares the embedding's matrix or not
+        return 6 * n + (1 + (c.arch == "encoder-decoder")) * 12 * c.n_layer * c.n_head * c.head_size * T
+
     # ------------------------------------------------------------------------------------------
     # Generation
 
@@ -558,12 +594,12 @@ class Transformer(nn.Module):
         for block in self.decoder.h:
             block.attn.kv_cache = KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev)
             if memory is not None:
-                block.cross_attn.kv_cache = block.cross_attn.kv(memory)
+                block.cross_attn.memory_kv = block.cross_attn.kv(memory)
         self.decoder.cache_valid = torch.zeros(batch_size, size, dtype=torch.bool, device=dev)
 
     def clear_kv_cache(self):
         for attn in (m for m in self.decoder.modules() if isinstance(m, Attention)):
-            attn.kv_cache = None
+            attn.kv_cache = attn.memory_kv = None
         self.decoder.cache_valid = None
 
     def rollback_kv_cache(self, n):
@@ -761,40 +797,3 @@ def speculative_generate(target, draft, idx, max_new_tokens, k=4, temperature=1.
     if out.size(1) < total:
         out = target.generate(out, total - out.size(1), temperature, top_k, top_p, vocab_limit=vocab_limit)
     return out, accepted, proposed
-
-
-# ----------------------------------------------------------------------------------------------
-# int8 weights
-
-class Int8Linear(nn.Module):
-    """A Linear layer with its weights stored as int8, one scale per output channel (4x smaller
-    than fp32, 2x than bf16). Decoding one token at a time is bound by reading the weights, so
-    smaller weights read faster where a kernel multiplies int8 directly."""
-
-    def __init__(self, linear):
-        super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # the largest weight of a row maps to 127
-        self.register_buffer("weight", torch.round(w / scale[:, None]).to(torch.int8))
-        self.register_buffer("scale", scale.to(linear.weight.dtype))
-        self.bias = linear.bias
-
-    def forward(self, x):
-        dtype = autocast_dtype(x.device, x.dtype)  # as autocast would run nn.Linear
-        x, scale = x.to(dtype), self.scale.to(dtype)
-        if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):  # torch's int8 x float kernel
-            y = torch._weight_int8pack_mm(x.reshape(-1, x.size(-1)), self.weight, scale)
-            y = y.view(*x.shape[:-1], self.weight.size(0))  # not -1: x may hold no rows (an idle expert)
-        else:
-            y = F.linear(x, self.weight.to(dtype)) * scale
-        return y if self.bias is None else y + self.bias.to(dtype)
-
-
-def quantize_int8(model):
-    """Replace every nn.Linear in model by an Int8Linear (in place); returns the model."""
-    for name, child in model.named_children():
-        if isinstance(child, nn.Linear):
-            setattr(model, name, Int8Linear(child))
-        else:
-            quantize_int8(child)
-    return model

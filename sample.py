@@ -19,8 +19,9 @@ import json
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 # Ctrl-C while torch loads or the text streams out ends sampling quietly: status 130, no traceback;
 # so does a reader that stops early (`| head`), as for any Unix tool (status 141, SIGPIPE)
@@ -30,11 +31,14 @@ if __name__ == "__main__":
 
 import torch
 
-from common import (UsageError, check_ranges, compile_decode, load_model, out_of_memory, parse_settings, pick_device,
-                    pick_dtype, precision, precision_name, timed, usage)
-from model import Int8Linear, sample, speculative_generate
+from checkpoint import for_sampling, load_model, load_run
+from common import UsageError, check_ranges, parse_settings, usage
+from device import compile_decode, out_of_memory, pick_device, pick_dtype, precision, precision_name, timed
+from model import sample, speculative_generate
+from quantize import Int8Linear
 
 MASK = "[MASK]"
+SEP = "\n---------------\n"  # after each sequence shown
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.html")
 
 
@@ -44,7 +48,7 @@ class SampleConfig:
     init_from: str = "resume"  # "resume" (the run in out_dir), or a Hugging Face model directory or hub name
     ckpt: str = "best"  # "best" (lowest val loss, best.pt) or "latest" (ckpt.pt)
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
-    num_samples: int = 1
+    num_samples: int = 1  # samples of the prompt (with --batch, of every line)
     max_new_tokens: int = 500
     temperature: float = 0.8  # 0 = greedy; higher = more random
     top_k: int | None = 200  # sample only from the k most likely tokens
@@ -67,13 +71,23 @@ RANGES = dict(ckpt=("best", "latest"), quantize=("", "int8"), max_new_tokens="[0
               attention_tokens="[1, inf)", seed="[0, inf)")
 
 
-def check(cfg):
+class Result(NamedTuple):
+    """What every mode returns for one sample (with --batch, one of every line)."""
+    tokens: int  # tokens generated
+    seqs: list  # the sequences shown: {"idx": ids} (and "src" of an encoder-decoder); the attention page draws seqs[0]
+    accepted: int = 0  # with a draft: its tokens that the target kept
+    proposed: int = 0  # ...of those it proposed
+
+
+def check(cfg):  # found out now, not after loading and sampling
     check_ranges(cfg, RANGES)
     if cfg.batch and not cfg.start.startswith("FILE:"):
         raise UsageError("--batch takes its prompts from a file, one per line: --start=FILE:prompts.txt")
+    if cfg.batch and cfg.draft_dir:
+        raise UsageError("speculative decoding continues one prompt at a time: leave out --batch or --draft_dir")
     if cfg.attention and (os.path.isdir(cfg.attention) or not os.path.isdir(os.path.dirname(cfg.attention) or ".")):
         raise UsageError(f"--attention={cfg.attention} is not a file in an existing folder: "
-                         "give a path such as attn.html")  # found out now, not after sampling
+                         "give a path such as attn.html")
 
 
 def main(argv):
@@ -86,7 +100,12 @@ def main(argv):
     dtype = pick_dtype(cfg.dtype, device)
     torch.set_flush_denormal(True)  # softmax tails leave denormal floats, which x86 CPUs handle far slower
     weights, autocast = precision(dtype, device)
-    model, tok, ckpt = load_model(cfg.out_dir, device, weights, cfg.quantize, cfg.ckpt, cfg.init_from)
+    if cfg.init_from == "resume":
+        model, ckpt = load_run(cfg.out_dir, cfg.ckpt)
+    else:
+        import hf  # safetensors and the name maps, only for a Hugging Face model
+        model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"), torch.float32)
+    model, tok = for_sampling(model, ckpt, device, weights, cfg.quantize)
     if cfg.compile:
         compile_decode(model, device)
     prompt = read_prompt(cfg.start)
@@ -94,28 +113,28 @@ def main(argv):
         raise UsageError(f"the prompt has characters the model's vocabulary lacks: {''.join(unknown)!r}; "
                          "remove or replace them")
     arch = model.config.arch
+    if arch != "decoder" and (cfg.batch or cfg.draft_dir):
+        raise UsageError(f"an {arch} fills in blanks, one prompt at a time: leave out --batch and --draft_dir")
     if MASK not in prompt and arch != "decoder":
         raise UsageError(f"an {arch} fills in blanks: put {MASK} in --start where text is missing")
+    if cfg.draft_dir:  # each mode: (model, tok, prompt, cfg, device) -> Result
+        mode = partial(speculate, draft=load_draft(cfg.draft_dir, model, tok, device, cfg.quantize, cfg.ckpt))
+    elif cfg.batch:
+        mode = continue_batch
+    else:
+        fill = {"decoder": continue_text, "encoder": fill_masks, "encoder-decoder": fill_spans}[arch]
+        mode = partial(fill, special=ckpt["tokens"])
     torch.manual_seed(cfg.seed)
     with autocast:
-        if cfg.draft_dir:
-            return speculate(model, tok, prompt, cfg, device)
-        if cfg.batch:
-            n_tokens, dt, picture = continue_batch(model, tok, prompt, cfg, device)
-        else:
-            fill = {"decoder": continue_text, "encoder": fill_masks, "encoder-decoder": fill_spans}[arch]
-            n_tokens, t0, picture = 0, time.time(), None
-            for _ in range(cfg.num_samples):
-                n, ids = fill(model, tok, ckpt["tokens"], prompt, cfg, device)
-                n_tokens, picture = n_tokens + n, picture or ids
-                write("\n---------------\n")
-            dt = time.time() - t0
+        results, dt = timed(lambda: [mode(model, tok, prompt, cfg, device) for _ in range(cfg.num_samples)], device)
+    n_tokens, accepted, proposed = (sum(getattr(r, k) for r in results) for k in ("tokens", "accepted", "proposed"))
     n_int8 = sum(isinstance(m, Int8Linear) for m in model.modules())
     print(f"sample.py: {n_tokens:,} tokens in {dt:.2f} s, {n_tokens / dt:,.1f} tokens/s ({arch}, {device}, "
-          f"{precision_name(model.wte.weight.dtype, dtype)}{f', {n_int8} Linear layers in int8' if n_int8 else ''})",
-          file=sys.stderr)
+          f"{precision_name(model.wte.weight.dtype, dtype)}{f', {n_int8} Linear layers in int8' if n_int8 else ''})"
+          + (f"; draft tokens accepted {accepted}/{proposed} ({accepted / max(proposed, 1):.1%}, k={cfg.draft_k})"
+             if cfg.draft_dir else ""), file=sys.stderr)
     if cfg.attention:
-        write_attention(cfg.attention, model, tok, picture, cfg.attention_tokens)
+        write_attention(cfg.attention, model, tok, results[0].seqs[0], cfg.attention_tokens)
         print(f"sample.py: attention weights of the first sample in {cfg.attention}", file=sys.stderr)
     return 0
 
@@ -152,7 +171,7 @@ def encode_prompt(model, tok, prompt):
 # ----------------------------------------------------------------------------------------------
 # Decoders: continue the prompt
 
-def continue_text(model, tok, special, prompt, cfg, device):
+def continue_text(model, tok, prompt, cfg, device, special):
     ids = encode_prompt(model, tok, prompt)
     write(prompt)
     text = tok.streamer(ids)
@@ -161,15 +180,13 @@ def continue_text(model, tok, special, prompt, cfg, device):
         t = t.item()  # printing as we go needs the token on the host
         ids.append(t)
         write(text(t))
-    write(text(None))
-    return cfg.max_new_tokens, dict(idx=ids)
+    write(text(None) + SEP)
+    return Result(cfg.max_new_tokens, [dict(idx=ids)])
 
 
 def continue_batch(model, tok, prompts, cfg, device):
     """Every line of the prompt file in one batch: left-padded, each row masked and counting its
     positions from its first token, so that it decodes as it would alone."""
-    if model.config.arch != "decoder":
-        raise UsageError("--batch continues prompts: it needs a decoder checkpoint")
     lines = [line for line in prompts.splitlines() if line.strip()]
     if not lines:
         raise UsageError("the prompt file has no non-empty line to continue")
@@ -180,39 +197,32 @@ def continue_batch(model, tok, prompts, cfg, device):
     for i, row in enumerate(rows):
         idx[i, T - len(row):] = torch.tensor(row)
         mask[i, T - len(row):] = True
-    t0 = time.time()
     out = model.generate(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
                          vocab_limit=tok.vocab_size, mask=mask)[:, T:].tolist()
-    dt = time.time() - t0
     for line, row, new in zip(lines, rows, out):  # the text after the prompt's, as a streamer shows it
         text = tok.streamer(row)
-        write(line + "".join(map(text, new)) + text(None) + "\n---------------\n")
-    return len(rows) * cfg.max_new_tokens, dt, dict(idx=rows[0] + out[0])
+        write(line + "".join(map(text, new)) + text(None) + SEP)
+    return Result(len(rows) * cfg.max_new_tokens, [dict(idx=row + new) for row, new in zip(rows, out)])
 
 
-def speculate(model, tok, prompt, cfg, device):
-    """Speculative decoding with the draft in --draft_dir, timed against the target alone."""
-    draft, draft_tok, _ = load_model(cfg.draft_dir, device, model.wte.weight.dtype, cfg.quantize, cfg.ckpt)
-    if draft_tok.kind != tok.kind or draft_tok.vocab_size != tok.vocab_size or (
-            tok.kind == "char" and draft_tok.chars != tok.chars):
-        raise UsageError(f"the draft in {cfg.draft_dir} has another vocabulary than the target: train it on "
-                         "the same dataset")
+def load_draft(draft_dir, model, tok, device, quantize="", which="best"):
+    """The run in draft_dir, ready to draft for model (a decoder of the same vocabulary), in its dtype."""
+    draft, draft_tok, _ = load_model(draft_dir, device, model.wte.weight.dtype, quantize, which)
+    vocab = lambda t: (t.kind, t.vocab_size, getattr(t, "chars", None))  # noqa: E731
+    if draft.config.arch != "decoder" or vocab(draft_tok) != vocab(tok):
+        what = f"an {draft.config.arch}" if draft.config.arch != "decoder" else "a decoder of another vocabulary"
+        raise UsageError(f"the model in {draft_dir} is {what}: give --draft_dir a small decoder trained on the "
+                         "same dataset as the target")
+    return draft
+
+
+def speculate(model, tok, prompt, cfg, device, draft):
+    """The draft proposes --draft_k tokens, the target keeps those it agrees with (bench.py sample times it)."""
     idx = torch.tensor([encode_prompt(model, tok, prompt)], device=device)
-    args = (cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
-    accepted = proposed = 0
-    times = {"target alone": 0.0, "speculative": 0.0}
-    for _ in range(cfg.num_samples):
-        (out, a, p), dt = timed(lambda: speculative_generate(model, draft, idx, *args[:1], cfg.draft_k, *args[1:],
-                                                             tok.vocab_size), device)
-        times["speculative"] += dt
-        accepted, proposed = accepted + a, proposed + p
-        write(tok.decode(out[0].tolist()) + "\n---------------\n")
-        times["target alone"] += timed(lambda: model.generate(idx, *args, vocab_limit=tok.vocab_size), device)[1]
-    rate = {k: cfg.num_samples * cfg.max_new_tokens / v for k, v in times.items()}
-    print(f"sample.py: draft tokens accepted {accepted}/{proposed} ({accepted / max(proposed, 1):.1%}); "
-          f"speculative {rate['speculative']:,.1f} tokens/s, target alone {rate['target alone']:,.1f} tokens/s: "
-          f"{rate['speculative'] / rate['target alone']:.2f}x (k={cfg.draft_k})", file=sys.stderr)
-    return 0
+    out, accepted, proposed = speculative_generate(model, draft, idx, cfg.max_new_tokens, cfg.draft_k, cfg.temperature,
+                                                   cfg.top_k, cfg.top_p, tok.vocab_size)
+    write(tok.decode(out[0].tolist()) + SEP)
+    return Result(cfg.max_new_tokens, [dict(idx=out[0].tolist())], accepted, proposed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +246,7 @@ def blanks(model, tok, prompt, blank_id):
     return ids, holes, pieces
 
 
-def fill_masks(model, tok, special, prompt, cfg, device):
+def fill_masks(model, tok, prompt, cfg, device, special):
     """Masked LM: fill the masks left to right, each seeing the ones filled before it."""
     ids, holes, pieces = blanks(model, tok, prompt, lambda k: special["mask"])
     x = torch.tensor([ids], device=device)
@@ -247,10 +257,11 @@ def fill_masks(model, tok, special, prompt, cfg, device):
         x[0, hole] = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p)[0, 0]
         text = tok.streamer(ids[:hole])  # the token's text where it stands
         write(text(x[0, hole].item()) + text(None) + piece)
-    return len(holes), dict(idx=x[0].tolist())
+    write(SEP)
+    return Result(len(holes), [dict(idx=x[0].tolist())])
 
 
-def fill_spans(model, tok, special, prompt, cfg, device):
+def fill_spans(model, tok, prompt, cfg, device, special):
     """Span corruption: each [MASK] becomes a sentinel; the decoder writes sentinel k followed
     by span k, and sentinel n after the last of the n spans."""
     n_sentinel = special["n_sentinel"]
@@ -277,37 +288,31 @@ def fill_spans(model, tok, special, prompt, cfg, device):
             break
         elif t < tok.vocab_size and t not in sentinels:
             write(text(t))
-    write(text(None))
-    for piece in pieces[shown + 1:]:  # spans the model did not close
-        write(piece)
-    return len(out) - 1, dict(idx=out, src=ids)
+    write(text(None) + "".join(pieces[shown + 1:]) + SEP)  # then the text after spans the model did not close
+    return Result(len(out) - 1, [dict(idx=out, src=ids)])
 
 
 # ----------------------------------------------------------------------------------------------
 # The attention page: every layer's and head's weights as heatmaps (its page: attention.html)
 
 def attention_maps(model, idx, src=None):
-    """Each attention's weights for one sequence, from a forward pass on the math path:
-    {name: (layers, heads, Tq, Tk)}."""
-    config = model.config
-    saved, config.attn_impl = config.attn_impl, "math"  # every module reads this one config
+    """Each attention's weights for one sequence, {name: (layers, heads, Tq, Tk)}: a forward pass on
+    the math path (the one that computes them) hands them to each attention's weights_hook."""
+    maps = {}
+    blocks = [(s, b) for s in ("encoder", "decoder") if getattr(model, s) is not None for b in getattr(model, s).h]
+    named = [(f"{s} self-attention", b.attn) for s, b in blocks]
+    named += [("decoder cross-attention (to the encoder)", b.cross_attn) for _, b in blocks if b.cross_attn is not None]
+    for name, attn in named:  # the layers run in order, so each list fills layer by layer
+        attn.weights_hook = maps.setdefault(name, []).append
+    saved, model.config.attn_impl = model.config.attn_impl, "math"  # every stack reads this one config
     try:
         with torch.no_grad():
             model(idx, src=src)
     finally:
-        config.attn_impl = saved
-    maps = {}
-    for stack in ("encoder", "decoder"):
-        blocks = getattr(model, stack).h if getattr(model, stack) is not None else []
-        if blocks:
-            maps[f"{stack} self-attention"] = torch.stack([b.attn.att[0] for b in blocks])
-        if blocks and blocks[0].cross_attn is not None:
-            maps["decoder cross-attention (to the encoder)"] = torch.stack([b.cross_attn.att[0] for b in blocks])
-    for block in [b for s in (model.encoder, model.decoder) if s is not None for b in s.h]:
-        for attn in (block.attn, block.cross_attn):
-            if attn is not None:
-                attn.att = None  # let go of the memory
-    return maps
+        model.config.attn_impl = saved
+        for _, attn in named:
+            attn.weights_hook = None
+    return {name: torch.stack([att[0] for att in layers]) for name, layers in maps.items()}
 
 
 def write_attention(path, model, tok, seq, n_tokens):
@@ -334,7 +339,7 @@ def write_attention(path, model, tok, seq, n_tokens):
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except (UsageError, ValueError) as e:
+    except UsageError as e:  # bad input; any other error is a bug, and keeps its traceback
         print(f"sample.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeErrors

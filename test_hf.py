@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+import tokenizer
 import hf
 from model import ModelConfig, Transformer
 
@@ -244,7 +245,7 @@ def test_export_loads_in_transformers_with_our_logits_and_reads_back_exactly(nam
 def test_export_command_writes_a_runs_model_and_its_tokenizer(tmp_path, capsys):
     from tokenizers import Tokenizer, models
 
-    from common import CKPT_KEYS
+    from checkpoint import CKPT_KEYS
 
     tokenizer_json = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).to_str()
     for kind, kw in (("hf", {}), ("char", dict(arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp="relu",
@@ -260,29 +261,32 @@ def test_export_command_writes_a_runs_model_and_its_tokenizer(tmp_path, capsys):
         out = capsys.readouterr().out
         assert ("character-level" in out) == (kind == "char")
     assert (tmp_path / "hf-hf" / "tokenizer.json").read_text() == tokenizer_json
-    assert common.tokenizer_meta(tmp_path / "hf-hf") == dict(tokenizer="hf", tokenizer_json=tokenizer_json)
+    assert tokenizer.tokenizer_meta(tmp_path / "hf-hf") == dict(tokenizer="hf", tokenizer_json=tokenizer_json)
     assert json.loads((tmp_path / "char-hf" / "config.json").read_text())["decoder_start_token_id"] == V - 1
     loaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "char-hf")
     assert loaded.config.decoder_start_token_id == V - 1
 
 
 def test_export_command_errors_are_one_line_with_exit_2(tmp_path, capsys):
-    assert hf.main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("hf.py: error: no checkpoint") and err.count("\n") == 1
-    assert hf.main(["import"]) == 2
+    with pytest.raises(common.UsageError, match="^no checkpoint at .*nothing"):
+        hf.main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")])
+    with pytest.raises(common.UsageError, match="command='import' is not known: choose 'export'"):
+        hf.main(["import"])
+    with pytest.raises(common.UsageError, match="did you mean --ckpt"):
+        hf.main(["export", "a", "b", "--ckp=latest"])
+    assert hf.main(["--help"]) == 0 and 'ckpt: str = "best"' in capsys.readouterr().out
 
 
 def test_the_tokenizer_of_a_directory(tmp_path):
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4))  # GPT-2's vocabulary
-    assert common.tokenizer_meta(saved(gpt2, tmp_path / "gpt2")) == dict(tokenizer="gpt2")
+    assert tokenizer.tokenizer_meta(saved(gpt2, tmp_path / "gpt2")) == dict(tokenizer="gpt2")
     with pytest.raises(common.UsageError, match="tokenizer.json"):  # a GPT-2 of another vocabulary
-        common.tokenizer_meta(saved(hf_model("gpt2"), tmp_path / "gpt2-char"))
+        tokenizer.tokenizer_meta(saved(hf_model("gpt2"), tmp_path / "gpt2-char"))
     tmp_path = saved(hf_model("llama"), tmp_path / "llama")
     with pytest.raises(common.UsageError, match="tokenizer.json"):
-        common.tokenizer_meta(tmp_path)
+        tokenizer.tokenizer_meta(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}")
-    assert common.tokenizer_meta(tmp_path) == dict(tokenizer="hf", tokenizer_json="{}")
+    assert tokenizer.tokenizer_meta(tmp_path) == dict(tokenizer="hf", tokenizer_json="{}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,7 +339,7 @@ def test_export_refusals_name_the_feature(config, feature, tmp_path):
 
 
 def test_an_int8_model_is_refused(tmp_path):
-    from model import quantize_int8
+    from quantize import quantize_int8
 
     with pytest.raises(hf.HFError, match="int8"):
         hf.save_pretrained(quantize_int8(our_model()), tmp_path)

@@ -8,17 +8,22 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from contextlib import redirect_stdout
+from dataclasses import asdict
 
 import pytest
 import torch
 import torch.nn as nn
 
 import bench
+import checkpoint
 import common
 import sample as sample_py
-from model import (Int8Linear, ModelConfig, Transformer, accept_or_resample, quantize_int8,
-                   speculative_generate)
+from common import UsageError
+from data import new_model_config
+from model import ModelConfig, Transformer, accept_or_resample, speculative_generate
+from quantize import Int8Linear, quantize_int8
 from test_scripts import TINY, in_parallel, run, workdir  # noqa: F401  (workdir is a fixture)
 
 V = 23
@@ -272,8 +277,8 @@ def test_sample_with_a_draft_prints_the_acceptance_rate_and_the_target_text(targ
     code, fast, err = run("sample.py", *args, "--draft_dir=out-draft", "--draft_k=3", cwd=d)
     assert code == 0, err
     assert fast == plain  # greedy: the same text
-    assert re.search(r"draft tokens accepted \d+/\d+ \([\d.]+%\); speculative [\d.,]+ tokens/s, "
-                     r"target alone [\d.,]+ tokens/s: [\d.]+x \(k=3\)", err)
+    assert re.fullmatch(r"sample.py: 30 tokens in [\d.]+ s, [\d.,]+ tokens/s \(decoder, cpu, float32 weights\); "
+                        r"draft tokens accepted \d+/\d+ \([\d.]+%, k=3\)\n", err)  # no second run of the target alone
 
 
 def test_sample_in_bf16_holds_the_weights_in_bf16_with_or_without_a_draft(target_and_draft):
@@ -283,7 +288,7 @@ def test_sample_in_bf16_holds_the_weights_in_bf16_with_or_without_a_draft(target
                                                          lambda: run("sample.py", *args, "--draft_dir=out-draft", cwd=d))
     assert code == 0 and code2 == 0, err + err2
     assert "(decoder, cpu, bfloat16 weights)" in err  # cast once, not by autocast at every token
-    model, tok, _ = common.load_model(str(d / "out-target"), torch.device("cpu"), torch.bfloat16)
+    model, tok, _ = checkpoint.load_model(str(d / "out-target"), torch.device("cpu"), torch.bfloat16)
     out = model.generate(torch.tensor([tok.encode("LEAR:")]), 20, temperature=0)
     assert text.split("\n---------------\n")[0] == tok.decode(out[0].tolist())
     assert fast == text  # the draft, loaded in the target's dtype: greedy, the same text
@@ -297,16 +302,95 @@ def test_sample_int8_and_attention_page(target_and_draft):
     data = page_data(d / "attn.html")
     assert [len(k["queries"]) for k in data["kinds"]] == [len("LEAR:") + 10]
     # the same here: the int8 model's greedy text, and each layer's weights (in units of 1e-4)
-    model, tok, _ = common.load_model(str(d / "out-target"), torch.device("cpu"))
+    model, tok, _ = checkpoint.load_model(str(d / "out-target"), torch.device("cpu"))
     assert f"{sum(isinstance(m, nn.Linear) for m in model.modules())} Linear layers in int8" in err
     quantize_int8(model)
     out = model.generate(torch.tensor([tok.encode("LEAR:")]), 10, temperature=0)
     assert text.split("\n---------------\n")[0] == tok.decode(out[0].tolist())
-    model.config.attn_impl = "math"  # which keeps each layer's weights in attn.att
+    model.config.attn_impl = "math"  # the path that computes the weights, handed to each layer's hook
+    layers = []
+    for block in model.decoder.h:
+        block.attn.weights_hook = lambda att: layers.append(att[0])
     model(out)
-    layers = torch.stack([block.attn.att[0] for block in model.decoder.h]) * 1e4  # (n_layer, nh, T, T)
+    layers = torch.stack(layers) * 1e4  # (n_layer, nh, T, T)
     page = torch.tensor(data["kinds"][0]["weights"], dtype=torch.float32)
     torch.testing.assert_close(page, layers.round(), rtol=0, atol=1.0)  # 1e-4: threads may round apart
+
+
+@pytest.fixture(scope="module")
+def every_arch(target_and_draft):
+    """target_and_draft's runs, and beside them an encoder's and an encoder-decoder's (random weights)."""
+    d = target_and_draft
+    ckpt = torch.load(d / "out-target" / "ckpt.pt", weights_only=True)
+    for arch in ("encoder", "encoder-decoder"):
+        config = new_model_config(dict(arch=arch, n_layer=1, n_head=2, n_embd=32, block_size=16),
+                                  ckpt["meta"]["vocab_size"])
+        os.makedirs(d / f"out-{arch}", exist_ok=True)
+        torch.save({**ckpt, "model_config": asdict(config), "model": Transformer(config).state_dict()},
+                   d / f"out-{arch}" / "ckpt.pt")
+    (d / "two.txt").write_text("ROMEO:\nLEAR: Blood\n")
+    return d
+
+
+@pytest.mark.parametrize("args, arch, shown, tokens", [
+    (["--out_dir=out-target", "--start=LEAR:"], "decoder", 1, 2 * 6),  # 2 samples of 6 new tokens
+    (["--out_dir=out-target", "--start=FILE:two.txt", "--batch"], "decoder", 2, 2 * 2 * 6),
+    (["--out_dir=out-target", "--start=LEAR:", "--draft_dir=out-draft"], "decoder", 1, 2 * 6),
+    (["--out_dir=out-encoder", "--start=LEAR: [MASK]lo[MASK]d"], "encoder", 1, 2 * 2),
+    (["--out_dir=out-encoder-decoder", "--start=LEAR: [MASK] blood"], "encoder-decoder", 1, None),
+], ids=["decoder", "batch", "draft", "encoder", "encoder-decoder"])
+def test_every_sample_mode_gives_a_result_one_summary_line_and_its_first_sequences_page(
+        every_arch, args, arch, shown, tokens, monkeypatch, capsys):
+    monkeypatch.chdir(every_arch)
+    results, timed = [], sample_py.timed
+    monkeypatch.setattr(sample_py, "timed", lambda fn, device: (results.append(timed(fn, device)), results[-1])[1])
+    assert sample_py.main([*args, "--num_samples=2", "--max_new_tokens=6", "--attention=attn.html"]) == 0
+    out, err = capsys.readouterr()
+    (samples, _), = results  # main timed every sample at once
+    assert len(samples) == 2 and all(isinstance(r, sample_py.Result) and len(r.seqs) == shown for r in samples)
+    assert out.count(sample_py.SEP) == 2 * shown  # each sequence shown ends with the separator
+    n = sum(r.tokens for r in samples)
+    assert tokens in (None, n)  # an encoder-decoder ends where it closes the last span
+    draft = r"; draft tokens accepted \d+/\d+ \([\d.]+%, k=4\)" if "--draft_dir=out-draft" in args else ""
+    assert re.fullmatch(rf"sample.py: {n} tokens in [\d.]+ s, [\d.,]+ tokens/s \({arch}, cpu, float32 weights\)"
+                        rf"{draft}\nsample.py: attention weights of the first sample in attn.html\n", err)
+    first = samples[0].seqs[0]
+    assert len(page_data("attn.html")["kinds"][0]["queries"]) == len(first.get("src", first["idx"]))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out_dir=out-target", "--start=FILE:two.txt", "--batch", "--draft_dir=out-draft"], "leave out --batch"),
+    (["--out_dir=out-encoder", "--start=[MASK]", "--draft_dir=out-draft"], "an encoder fills in blanks"),
+    (["--out_dir=out-target", "--draft_dir=out-encoder"], "out-encoder is an encoder: give --draft_dir a small decoder"),
+], ids=["batch", "encoder-target", "encoder-draft"])
+def test_sample_refuses_what_speculative_decoding_cannot_do_before_it_starts(every_arch, args, message, monkeypatch):
+    monkeypatch.chdir(every_arch)
+    with pytest.raises(UsageError, match=message):
+        sample_py.main(args)
+
+
+def test_sample_keeps_the_traceback_of_a_value_error_that_a_bug_raises(target_and_draft):
+    # sample.py turns bad input into one line; any other error, a ValueError too, is a bug to report whole
+    broken = ("import runpy, sys, model\n"
+              "def generate_tokens(*args, **kwargs):\n"
+              "    raise ValueError('a bug')\n"
+              "model.Transformer.generate_tokens = generate_tokens\n"
+              f"runpy.run_path({os.path.abspath(sample_py.__file__)!r}, run_name='__main__')\n")
+    code, _, err = run(sys.executable, "-c", broken, "--out_dir=out-target", "--max_new_tokens=3", cwd=target_and_draft,
+                       env={"PYTHONPATH": os.path.dirname(os.path.abspath(sample_py.__file__))})
+    assert code == 1 and "Traceback" in err and err.strip().endswith("ValueError: a bug"), err
+
+
+def test_bench_sample_times_the_target_alone_and_speculative_decoding_in_one_run(target_and_draft, monkeypatch, capsys):
+    monkeypatch.chdir(target_and_draft)
+    assert bench.main(["sample", "--out_dir=out-target", "--draft_dir=out-draft", "--draft_k=3", "--max_new_tokens=20",
+                       "--device=cpu"]) == 0
+    out = capsys.readouterr().out
+    alone = float(re.search(r"^target alone: +([\d,.]+) tokens/s$", out, re.M)[1].replace(",", ""))
+    fast = float(re.search(r"^speculative: +([\d,.]+) tokens/s \(draft tokens accepted \d+/\d+, [\d.]+%\)$", out,
+                           re.M)[1].replace(",", ""))
+    assert float(re.search(r"^speed-up: ([\d.]+)x$", out, re.M)[1]) == pytest.approx(fast / alone, abs=0.011)
+    assert "k=3; 20 new tokens" in out
 
 
 
@@ -336,3 +420,34 @@ def test_bench_prints_cache_no_cache_int8_and_floor():
     assert 0 < diff < 0.05  # int8 was applied, and rounds each weight by at most half a step
     rows = [line for line in text.splitlines() if re.match(r"\s+\d+ \|", line)]
     assert [int(r.split("|")[0]) for r in rows] == [4, 8] and all(r.count("tok/s") == 3 for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# bench.py's command line, in the style of the other scripts
+
+def test_bench_help_lists_every_benchmarks_settings_and_one_benchmarks_alone(capsys):
+    assert bench.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(bench.__doc__.strip())
+    assert all(f"\n    {key}: " in text for key in ("max_iters", "n_layer", "draft_dir", "seqs", "no_math"))
+    assert bench.main(["attention", "-h"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("python bench.py attention: ") and "\n    seqs: tuple | int = " in text
+    assert "max_iters" not in text
+
+
+def test_bench_attention_reads_lists_with_commas():
+    cfg = bench.AttentionConfig(**common.parse_settings(["--seqs=1024,4096", "--dims=64"], bench.AttentionConfig)[0])
+    assert (bench.sizes(cfg, "seqs"), bench.sizes(cfg, "dims")) == ((1024, 4096), (64,))
+    with pytest.raises(UsageError, match="seqs=.* should be positive whole numbers: write --seqs=1024,4096"):
+        bench.sizes(bench.AttentionConfig(seqs=(512, 0)), "seqs")
+
+
+def test_bench_from_the_command_line_answers_help_and_a_misspelt_setting_in_one_line(tmp_path):
+    results = in_parallel(lambda: run("bench.py", "--help", cwd=tmp_path),
+                          lambda: run("bench.py", "train", "--max_iter=3", cwd=tmp_path),
+                          lambda: run("bench.py", "attention", "--sqes=1", cwd=tmp_path))
+    (code, text, _), *errors = results
+    assert code == 0 and "Settings (--key=value" in text
+    for (code, _, err), want in zip(errors, ("did you mean --max_iters?", "did you mean --seqs?")):
+        assert code == 2 and err.count("\n") == 1 and err.startswith("bench.py: error: ") and want in err, err

@@ -298,7 +298,7 @@ def test_without_triton_the_module_imports_and_the_kernel_says_to_install_it():
 
 @pytest.mark.skipif(CUDA, reason="checks the message printed where there is no GPU")
 def test_benchmark_without_a_gpu_exits_2_with_a_one_line_message():
-    r = run_python(None, "bench.py", "attention", "--seqs", "512")
+    r = run_python(None, "bench.py", "attention", "--seqs=512")
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and "CUDA" in r.stderr, r.stderr
 
@@ -314,7 +314,8 @@ def test_bench_without_a_known_name_exits_2_naming_the_choices(args):
 # ----------------------------------------------------------------------------------------------
 # The kernel inside model.py
 
-from model import Mask, ModelConfig, Transformer, attn_impl, quantize_int8, speculative_generate  # noqa: E402
+from model import Mask, ModelConfig, Transformer, attn_impl, speculative_generate  # noqa: E402
+from quantize import quantize_int8  # noqa: E402
 
 MODEL_CASES = [
     dict(arch="decoder", pos="alibi", window=5, n_kv_head=2),

@@ -235,12 +235,14 @@ def test_self_attention_projects_q_k_v_in_one_matrix_and_cross_attention_q_and_k
 
 @pytest.mark.parametrize("kw", [dict(pos="alibi", window=3), dict(pos="relative"), dict(arch="encoder", pos="rope")],
                          ids=config_id)
-def test_math_path_equals_sdpa_and_keeps_weights_that_sum_to_one(kw):
+def test_math_path_equals_sdpa_and_hands_its_hook_weights_that_sum_to_one(kw):
     idx, src = inputs(dict(arch="decoder"))
     fast = model_of(attn_impl="sdpa", n_kv_head=2, **kw)
     slow = model_of(attn_impl="math", n_kv_head=2, **kw)
+    weights = []
+    (slow.decoder or slow.encoder).h[1].attn.weights_hook = weights.append
     torch.testing.assert_close(fast(idx)[0], slow(idx)[0], rtol=1e-5, atol=1e-5)
-    att = slow.decoder.h[1].attn.att if slow.decoder else slow.encoder.h[1].attn.att
+    [att] = weights  # one forward pass, one call
     assert att.shape == (2, 4, 10, 10)
     torch.testing.assert_close(att.sum(-1), torch.ones(2, 4, 10))
     if kw.get("arch") != "encoder":
@@ -253,7 +255,7 @@ def test_attention_function_matches_softmax_formula_with_bias():
     bias = torch.randn(2, 4, 5, 7)
     want = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + bias, -1) @ v
     for impl in ("sdpa", "math"):
-        torch.testing.assert_close(attention(q, k, v, Mask(bias=bias), impl)[0], want)
+        torch.testing.assert_close(attention(q, k, v, Mask(bias=bias, impl=impl))[0], want)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "math", "triton"])
@@ -267,7 +269,18 @@ def test_causal_queries_after_a_cache_see_the_keys_up_to_their_own_position(impl
     future = torch.ones(3, 7, dtype=torch.bool).triu(5)
     scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(8)
     want = torch.softmax(scores.masked_fill(future, float("-inf")), -1) @ v.repeat_interleave(2, 1)
-    torch.testing.assert_close(attention(q, k, v, Mask(causal=True), impl)[0], want)
+    torch.testing.assert_close(attention(q, k, v, Mask(causal=True, impl=impl))[0], want)
+
+def test_the_attention_path_is_picked_and_the_mask_built_once_per_stack_not_per_layer(monkeypatch):
+    calls, pick, bias = [], model_module.attn_impl, model_module.Stack.attn_bias
+    monkeypatch.setattr(model_module, "attn_impl", lambda *a: calls.append("pick") or pick(*a))
+    monkeypatch.setattr(model_module.Stack, "attn_bias", lambda *a: calls.append("bias") or bias(*a))
+    model = model_of(arch="encoder-decoder", pos="alibi", n_layer=3)
+    idx, src = inputs(dict(arch="encoder-decoder"))
+    model(idx, src=src)
+    # the encoder's mask, the decoder's, and its cross-attention's (no padding: no dense bias to build)
+    assert calls == ["pick", "bias", "pick", "bias", "pick"]
+
 
 @pytest.mark.parametrize("arch", ["encoder", "encoder-decoder"])
 def test_padding_changes_nothing_for_the_real_tokens(arch):
@@ -423,6 +436,14 @@ def test_a_block_with_biases_and_layernorm_has_12_d_squared_plus_13_d(d):
     assert sum(p.numel() for p in block.parameters()) == 12 * d * d + 13 * d
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_flops_per_token_are_6_per_weight_and_output_weight_plus_12_l_h_hs_t_for_attention(tie):
+    C, L, T = 32, 2, 10
+    n = L * (12 * C * C + 2 * C) + C + V * C  # blocks (qkv, proj, fc, proj; two gains), ln_f, the output layer
+    model = model_of(pos="rope", bias=False, tie_embeddings=tie)  # no position table, no biases
+    assert model.flops_per_token(T) == 6 * n + 12 * L * 4 * 8 * T  # 4 heads of 8; the output counted once
+
+
 def test_swiglu_default_hidden_keeps_the_parameter_count_of_a_plain_mlp():
     with torch.device("meta"):
         gelu = Transformer(ModelConfig(n_embd=768, bias=False, mlp="gelu")).decoder.h[0].mlp
@@ -513,6 +534,19 @@ def task(arch, n=8, T=12, seed=0):
         return dict(idx=x.masked_fill(masked, V - 1), targets=x.masked_fill(~masked, -100))
     start = torch.zeros(n, 1, dtype=torch.long)  # token 0 starts the decoder
     return dict(src=x, idx=torch.cat((start, x[:, :-1]), 1), targets=x)
+
+
+def test_optimizer_groups_partition_the_trainable_parameters_and_decay_exactly_the_matrices():
+    model = model_of(arch="encoder-decoder", pos="relative")
+    model.decoder.ln_f.weight.requires_grad_(False)  # frozen: in neither group
+    decay, no_decay = model.optimizer_groups(0.1)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    grouped = [id(p) for group in (decay, no_decay) for p in group["params"]]
+    assert len(grouped) == len(set(grouped))  # no parameter twice (the tied output layer included)
+    assert set(grouped) == {id(p) for p in model.parameters() if p.requires_grad}
+    matrices = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    assert {id(p) for p in decay["params"]} == matrices  # Linear and Embedding weights, the T5 bias table too
+    torch.optim.AdamW(model.optimizer_groups(0.1), lr=1e-3)  # what AdamW takes
 
 
 @pytest.mark.parametrize("kw", [MATRIX[i] for i in (0, 4, 8, 9, 13, 14, 15)], ids=config_id)

@@ -34,13 +34,13 @@ def trained(workdir):  # noqa: F811
 # prepare.py
 
 @pytest.mark.parametrize("args, fragments", [
-    (["text", "--input", "nothing/*.txt", "--name", "x"], ["matches no file", "quote the glob"]),
-    (["text", "--input", "texts/*.txt"], ["needs --input", "--name"]),
-    (["text", "--input", "texts/*.txt", "--name", "../x"], ["--name '../x' is a path", "--data_dir"]),
-    (["wikipedia"], ["invalid choice: 'wikipedia'", "--help"]),
-    (["text", "--input", "empty.txt", "--name", "x"], ["is empty"]),
-    (["text", "--input", "latin1.txt", "--name", "x", "--tokenizer", "char"], ["is not UTF-8", "iconv"]),
-    (["text", "--input", "texts/*.txt", "--name", "x", "--data_dir", "texts/part0.txt"], ["cannot write", "--data_dir"]),
+    (["text", "--input=nothing/*.txt", "--name=x"], ["matches no file", "quote the glob"]),
+    (["text", "--input=texts/*.txt"], ["needs --input", "--name"]),
+    (["text", "--input=texts/*.txt", "--name=../x"], ["--name='../x' is a path", "--data_dir"]),
+    (["wikipedia"], ["dataset='wikipedia' is not known", "choose 'shakespeare_char'"]),
+    (["text", "--input=empty.txt", "--name=x"], ["is empty"]),
+    (["text", "--input=latin1.txt", "--name=x", "--tokenizer=char"], ["is not UTF-8", "iconv"]),
+    (["text", "--input=texts/*.txt", "--name=x", "--data_dir=texts/part0.txt"], ["cannot write", "--data_dir"]),
 ])
 def test_prepare_rejects_bad_input_in_one_line(workdir, args, fragments):  # noqa: F811
     d, _ = workdir
@@ -64,12 +64,12 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path):  # noqa: F81
         (("--lerning_rate=1e-3",), ["unknown setting 'lerning_rate'", "did you mean --learning_rate?"]),
         (("--max_iters=many",), ["max_iters='many' should be int"]),
         (("configs/nope.py",), ["config file 'configs/nope.py' not found"]),
-        ((os.path.join(HERE, "configs"),), ["configs' is a folder: give a file such as configs/shakespeare_char.py"]),
+        ((os.path.join(HERE, "configs"),), ["configs' is a folder: give a config file such as configs/shakespeare_char.py, or did you mean --out_dir="]),
         (("--lerning_rate",), ["unknown setting 'lerning_rate'", "did you mean --learning_rate?"]),
         (("--max_iters",), ["'--max_iters' has no value: write --max_iters=VALUE"]),
         ((str(tmp_path / "bad.py"),), ["n_embd=32 is not divisible by n_head=3"]),
         (("--dataset=poems",), ["dataset 'poems' is not prepared",
-                                "python prepare.py text --input 'your/*.txt' --name poems"]),
+                                "python prepare.py text --input='your/*.txt' --name=poems"]),
         (("--init_from=resume", "--out_dir=out-none"), ["no checkpoint at out-none/ckpt.pt"]),
         (("--out_dir=texts/part0.txt/out",), ["is not writable", "choose another --out_dir"]),
         (("--device=CPU",), ["--device=CPU is not known: choose auto, cpu, cuda, cuda:N or mps"]),
@@ -139,7 +139,7 @@ def test_train_out_of_memory_stops_in_one_line_and_keeps_the_checkpoints(trained
 
 
 def test_out_of_memory_reads_torchs_messages():
-    from common import out_of_memory
+    from device import out_of_memory
     cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
                                   "79.19 GiB of which 1.06 GiB is free.")  # (torch's message, shortened)
     cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
@@ -274,7 +274,7 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained):
         os.makedirs(d / "texts-at", exist_ok=True)
         (d / "texts-at" / f"{i}.txt").write_text((d / "texts" / f"part{i}.txt").read_text("utf-8").replace("a", "@"),
                                                  "utf-8")
-    assert run("prepare.py", "text", "--input", "texts-at/*.txt", "--name", "verse-at", "--tokenizer", "char",
+    assert run("prepare.py", "text", "--input=texts-at/*.txt", "--name=verse-at", "--tokenizer=char",
                cwd=d)[0] == 0
     cases = [
         (("out-ok", "--n_layer=3"),
@@ -543,7 +543,7 @@ def test_ctrl_c_while_torch_loads_or_text_streams_out_exits_quietly(trained):
     assert p.returncode == 130 and err == "", err
     # prepare.py while numpy loads (about 0.1 s): stopped after numpy's first module, before its last
     cmd = [sys.executable, "-X", "importtime", os.path.join(HERE, "prepare.py"), "shakespeare_char",
-           "--data_dir", str(d / "data-early")]
+           f"--data_dir={d / 'data-early'}"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=d)
     for line in p.stderr:
         if "| " in line and line.split("| ")[-1].strip().startswith("numpy."):
@@ -589,7 +589,7 @@ def test_a_non_finite_loss_skips_steps_then_stops_keeping_the_last_good_checkpoi
 
 def test_the_optimizer_runs_at_the_scheduled_learning_rate(trained):
     ckpt = torch.load(trained / "out-ok" / "ckpt.pt", weights_only=True)
-    scheduled = train.learning_rate(ckpt["iter_num"], common.TrainConfig(**ckpt["train_config"]))
+    scheduled = train.learning_rate(ckpt["iter_num"], train.TrainConfig(**ckpt["train_config"]))
     assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == [scheduled] * 2  # decayed and not
 
 

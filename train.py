@@ -5,7 +5,7 @@ Train any member of the family on one device or many.
     python train.py configs/shakespeare_char.py --n_layer=4 --pos=rope --max_iters=2000
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py
 
-Settings come from TrainConfig (common.py) and ModelConfig (model.py); a config file is Python
+Settings come from TrainConfig (below) and ModelConfig (model.py); a config file is Python
 that assigns some of them, and --key=value overrides either. The objective follows the
 architecture: next-token prediction (decoder), masked LM (encoder), T5 span corruption
 (encoder-decoder). Checkpoints in out_dir hold everything needed to resume exactly.
@@ -15,14 +15,12 @@ import time
 
 START = time.time()  # the run's wall clock counts from here, torch's import included
 
-import errno
-import fcntl
 import gc
 import math
 import os
 import signal
 import sys
-from contextlib import ExitStack, nullcontext, suppress
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, replace
 
 # Ctrl-C while torch loads (seconds) or the run is set up ends it quietly: status 130, no traceback.
@@ -36,14 +34,61 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import hf
 import kernels
-from common import (TRAIN_RANGES, TrainConfig, UsageError, batch_rng, check_ranges, configure_optimizer,
-                    eval_rng, flops_per_token, get_batch, load_checkpoint, load_data, new_model_config,
-                    optimizer_step, out_of_memory, parse_settings, peak_flops, pick_device, pick_dtype,
-                    save_atomic, span_counts, special_tokens, sync, usage)
+from checkpoint import load_checkpoint, prepare_out_dir, save_atomic
+from common import UsageError, check_ranges, parse_settings, as_given, usage
+from data import batch_rng, eval_rng, get_batch, load_data, new_model_config, span_counts, special_tokens
+from device import out_of_memory, peak_flops, pick_device, pick_dtype, sync
 from model import ModelConfig, Transformer
 
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "out"
+    init_from: str = "scratch"  # "scratch", "resume" (out_dir/ckpt.pt), or a Hugging Face model directory or name
+    dataset: str = "shakespeare_char"  # data/<dataset>, made by prepare.py
+    data_dir: str = "data"
+    # batches: gradient_accumulation_steps * batch_size * block_size tokens per step, over all ranks
+    batch_size: int = 12
+    gradient_accumulation_steps: int = 1
+    # AdamW, with weight decay on matrices only
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = off
+    # learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
+    decay_lr: bool = True
+    warmup_iters: int = 100
+    lr_decay_iters: int = 5000
+    min_lr: float = 6e-5
+    max_iters: int = 5000
+    # evaluation, logging, checkpoints
+    eval_interval: int = 250
+    eval_iters: int = 20  # batches per split and rank
+    eval_only: bool = False
+    log_interval: int = 10
+    always_save_checkpoint: bool = True  # ckpt.pt at every eval; best.pt only when val improves
+    max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss
+    # objectives of the encoder (masked LM) and the encoder-decoder (span corruption)
+    mask_prob: float = 0.15
+    noise_density: float = 0.15
+    mean_span: float = 3.0
+    # system
+    device: str = "auto"  # "auto" (cuda, then mps, then cpu), or "cpu", "cuda", "cuda:1", "mps"
+    dtype: str = "auto"  # "auto" (bf16 where supported, else fp16 on GPUs, fp32 on CPU), or one of those
+    compile: bool = False
+    seed: int = 1337
+    backend: str = "auto"  # distributed: "nccl" on CUDA, "gloo" on CPU
+
+
+
+# the values each setting may take, beyond its type (grad_clip=0: no clipping)
+TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), batch_size="[1, inf)", gradient_accumulation_steps="[1, inf)",
+                    eval_interval="[1, inf)", eval_iters="[1, inf)", log_interval="[1, inf)", max_bad_steps="[1, inf)",
+                    max_iters="[0, inf)", warmup_iters="[0, inf)", lr_decay_iters="[0, inf)", learning_rate="[0, inf)",
+                    min_lr="[0, inf)", weight_decay="[0, inf)", grad_clip="[0, inf)", mean_span="[1, inf)",
+                    seed="[0, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]", noise_density="(0, 1)")
 RUN_TIME = ("attn_impl", "dropout")  # model settings that a resumed run may change
 MASTER = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 logs and writes
 STOP = []  # the signals received (SIGINT, SIGTERM): the run saves and stops at the next iteration
@@ -83,44 +128,6 @@ def hms(seconds):
 # ----------------------------------------------------------------------------------------------
 # Setting up: the out_dir, the data, the model
 
-def prepare_out_dir(path, held):
-    """Make out_dir, lock it, check that it takes bytes, and remove temporary files of a killed save.
-    The lock is out_dir/.lock, flock-ed until `held` (the run's ExitStack) closes: a second train.py
-    writing there would overwrite this run's checkpoints or remove the one it is writing, so it is
-    refused meanwhile; the kernel releases the lock when the process ends, however it ends. An
-    out_dir this run made and left empty (it failed before its first checkpoint) goes at the end."""
-    made = not os.path.isdir(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-        if made:
-            held.callback(remove_if_unused, path)
-        lock = held.enter_context(open(os.path.join(path, ".lock"), "a+b", buffering=0))  # nothing held back
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        lock.truncate(0)  # the pid names the holder to a second run; writing it finds a full disk now
-        pid = f"{os.getpid()}\n".encode()
-        lock.write(pid[lock.write(pid):])  # a short write (a full disk) fails at the second, with the reason
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().decode().strip() or "?"
-        raise UsageError(f"out_dir {path!r} is in use by another train.py (process {holder}): wait for it to end, "
-                         "or choose another --out_dir") from None
-    except OSError as e:
-        full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-        raise UsageError(f"out_dir {path!r} is not writable ({e.strerror}): "
-                         f"{'free some space, or ' if full else ''}choose another --out_dir") from None
-    for name in os.listdir(path):
-        if ".pt.tmp." in name:
-            os.remove(os.path.join(path, name))
-
-
-def remove_if_unused(path):
-    if set(os.listdir(path)) <= {".lock"}:
-        with suppress(OSError):  # another train.py may have just taken it
-            if os.listdir(path):
-                os.remove(os.path.join(path, ".lock"))
-            os.rmdir(path)
-
-
 def model_config_of(cfg, model_args, meta, ckpt):
     """The model's settings: from the command line for a new run; else from the checkpoint to
     resume, or the pretrained model to finetune, where only RUN_TIME settings may change (and a
@@ -138,12 +145,12 @@ def model_config_of(cfg, model_args, meta, ckpt):
     saved = asdict(config)
     for k, want in model_args.items():  # from the command line or the config file
         if saved[k] != want:
-            raise UsageError(f"--{k}={want!r} does not match {source}'s {k}={saved[k]!r}: set --{k}={saved[k]!r} or "
-                             "drop it, or train a new model (--init_from=scratch) in another --out_dir")
+            raise UsageError(f"{as_given(k, want)} does not match {source}'s {k}={saved[k]!r}: set --{k}={saved[k]!r} "
+                             "or drop it, or train a new model (--init_from=scratch) in another --out_dir")
     if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab", "tokenizer_json")):
         if cfg.init_from != "resume":
             raise UsageError(f"dataset {cfg.dataset!r} was not prepared with {source}'s tokenizer: prepare it with "
-                             f"python prepare.py text --input ... --tokenizer {ckpt['path']}")
+                             f"python prepare.py text --input=... --tokenizer={ckpt['path']}")
         raise UsageError(f"{source} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
                          f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with its --dataset")
     # as in nanoGPT, training settings come from the command line and config file, not the
@@ -277,6 +284,23 @@ def forward_backward(run, it):
     return step_loss
 
 
+def make_optimizer(model, cfg, fused):
+    """AdamW that decays matrices (weights of Linear and Embedding) but not biases and norm gains.
+    fused: one kernel for the whole update instead of ~10 small operations per tensor."""
+    return torch.optim.AdamW(model.optimizer_groups(cfg.weight_decay), lr=cfg.learning_rate,
+                             betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+def optimizer_step(model, optimizer, scaler, grad_clip):
+    """Clip the gradients (unscaled first, under fp16), step, and clear them for the next batch."""
+    if grad_clip:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def learning_rate(it, cfg):
     """Linear warmup, then cosine decay to min_lr."""
     if not cfg.decay_lr:
@@ -339,6 +363,7 @@ def train(cfg, model_args, held):
         ckpt = load_checkpoint(ckpt_path, f"copy {best_path} to {ckpt_path} to resume from the best checkpoint"
                                if os.path.exists(best_path) else None)
     elif cfg.init_from != "scratch":
+        import hf  # safetensors and the name maps, only for a pretrained model
         model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"))
         ckpt["model"] = model.state_dict()
     config = model_config_of(cfg, model_args, meta, ckpt)
@@ -350,7 +375,7 @@ def train(cfg, model_args, held):
 
     torch.manual_seed(cfg.seed + rank)  # each rank its own dropout; DDP copies rank 0's weights to all
     model = Transformer(config).to(device)
-    optimizer = configure_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
+    optimizer = make_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None)  # evaluated_at: the last full eval
     if ckpt is not None:
@@ -391,7 +416,7 @@ def loop(run, it, progress, dtype):
     writes = not cfg.eval_only
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * run.raw_model.config.block_size
-    flops_per_iter = flops_per_token(run.raw_model, run.raw_model.config.block_size) * tokens_per_iter / run.world
+    flops_per_iter = run.raw_model.flops_per_token(run.raw_model.config.block_size) * tokens_per_iter / run.world
     peak, peak_source = peak_flops(device, dtype)
     n_params = sum(p.numel() for p in run.raw_model.parameters())
     log(f"{run.raw_model.config.arch} with {n_params / 1e6:.2f}M parameters on {run.world} x {device} ({dtype}); "

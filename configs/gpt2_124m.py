@@ -1,5 +1,5 @@
 # GPT-2 124M on your own corpus, for one GPU overnight.
-# python prepare.py text --input 'my/corpus/*.txt' --name mydata --tokenizer gpt2
+# python prepare.py text --input='my/corpus/*.txt' --name=mydata --tokenizer=gpt2
 # python train.py configs/gpt2_124m.py --compile=True
 # torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py --compile=True
 out_dir = "out-gpt2-124m"

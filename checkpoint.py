@@ -1,0 +1,144 @@
+"""
+Checkpoints: written atomically, read safely (plain tensors and data only), and a run's model
+loaded for sampling.
+"""
+
+import errno
+import fcntl
+import os
+import re
+from contextlib import suppress
+from dataclasses import fields
+
+import torch
+
+from common import UsageError
+from model import ModelConfig, Transformer
+from quantize import quantize_int8
+from tokenizer import Tokenizer
+
+
+def save_atomic(obj, path):
+    """Write to a temporary file, flush it to disk, then rename: a crash at any instant leaves
+    either the old file or the new one, never half of one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # a full disk or quota (torch.save wraps some as RuntimeError)
+        with suppress(FileNotFoundError):
+            os.remove(tmp)
+        cause = e if isinstance(e, OSError) else e.__context__  # the OSError that torch.save's error hides
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e)
+        raise UsageError(f"could not write {path} ({reason}); the previous checkpoint is intact: free some space, "
+                         "then continue with --init_from=resume") from None
+    os.replace(tmp, path)
+    dirfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dirfd)  # the rename itself, on disk
+    finally:
+        os.close(dirfd)
+
+
+CKPT_KEYS = {"model", "optimizer", "scaler", "model_config", "train_config", "iter_num", "best_val_loss", "rng",
+             "tokens", "meta"}  # what train.py writes
+
+
+def load_plain(path, way_out):
+    """What torch.save wrote at path, if it is tensors and plain data only (weights_only): a file
+    that holds any other object, whose loading would run code, is refused in one line before
+    anything in it runs. way_out: what to do about a file that cannot be read at all."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        if found := re.search(r"GLOBAL (\S+)", str(e)):  # torch names the global it refused
+            raise UsageError(f"{path} holds objects that loading would have to run code for ({found[1]}), so it "
+                             "is not loaded: use files from a source you trust, re-saved as plain tensors and "
+                             "data") from None
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): {way_out}") from None
+
+
+def load_checkpoint(path, hint=None):
+    """A checkpoint that train.py wrote, read into host memory (load_plain), or a one-line UsageError
+    that says what to do instead (hint: what else to try, e.g. the run's other checkpoint)."""
+    if not os.path.exists(path):
+        raise UsageError(f"no checkpoint at {path}: {hint or 'train first, or point --out_dir at a run'}")
+    ckpt = load_plain(path, f"it is truncated or corrupted; {hint + ', or ' if hint else ''}start a new run in "
+                            "another out_dir")
+    if not isinstance(ckpt, dict) or not CKPT_KEYS <= ckpt.keys():
+        missing = sorted(CKPT_KEYS - ckpt.keys()) if isinstance(ckpt, dict) else "everything"
+        raise UsageError(f"{path} is not a nanoformer checkpoint (it lacks {missing})")
+    ckpt["model_config"].pop("linear_impl", None)  # how earlier versions ran products on a CPU: gone, not the model's
+    unknown = sorted(ckpt["model_config"].keys() - {f.name for f in fields(ModelConfig)})
+    if unknown:
+        raise UsageError(f"{path} has model settings this model.py does not know ({', '.join(unknown)}): "
+                         "it was written by another version of nanoformer; load it with that version")
+    return ckpt
+
+
+def load_run(out_dir, which="best"):
+    """A run's model (fp32, on the CPU) and its checkpoint: out_dir's best.pt ("best"; ckpt.pt if
+    there is none) or ckpt.pt ("latest")."""
+    path = {"best": os.path.join(out_dir, "best.pt"), "latest": os.path.join(out_dir, "ckpt.pt")}
+    which = "latest" if which == "best" and not os.path.exists(path["best"]) else which
+    other = "latest" if which == "best" else "best"
+    ckpt = load_checkpoint(path[which], f"try --ckpt={other}" if os.path.exists(path[other]) else None)
+    model = Transformer(ModelConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model, ckpt
+
+
+def for_sampling(model, ckpt, device, dtype=torch.float32, quantize=""):
+    """model in eval mode on device, its weights in dtype (its Linear layers in int8 with
+    quantize="int8"), and the tokenizer its checkpoint names."""
+    if model.config.attn_impl == "triton" and device.type != "cuda":  # trained through the kernel on a GPU:
+        model.config.attn_impl = "auto"  # the same attention, through torch's SDPA here
+    if quantize == "int8":
+        quantize_int8(model)  # from the fp32 weights: one rounding, not two
+    return model.to(device=device, dtype=dtype).eval(), Tokenizer(ckpt["meta"])
+
+
+def load_model(out_dir, device, dtype=torch.float32, quantize="", which="best"):
+    """A run's model ready to sample from (load_run, then for_sampling), its tokenizer and its checkpoint."""
+    model, ckpt = load_run(out_dir, which)
+    return *for_sampling(model, ckpt, device, dtype, quantize), ckpt
+
+
+def prepare_out_dir(path, held):
+    """Make out_dir, lock it, check that it takes bytes, and remove temporary files of a killed save.
+    The lock is out_dir/.lock, flock-ed until `held` (the run's ExitStack) closes: a second train.py
+    writing there would overwrite this run's checkpoints or remove the one it is writing, so it is
+    refused meanwhile; the kernel releases the lock when the process ends, however it ends. An
+    out_dir this run made and left empty (it failed before its first checkpoint) goes at the end."""
+    made = not os.path.isdir(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        if made:
+            held.callback(remove_if_unused, path)
+        lock = held.enter_context(open(os.path.join(path, ".lock"), "a+b", buffering=0))  # nothing held back
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.truncate(0)  # the pid names the holder to a second run; writing it finds a full disk now
+        pid = f"{os.getpid()}\n".encode()
+        lock.write(pid[lock.write(pid):])  # a short write (a full disk) fails at the second, with the reason
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().decode().strip() or "?"
+        raise UsageError(f"out_dir {path!r} is in use by another train.py (process {holder}): wait for it to end, "
+                         "or choose another --out_dir") from None
+    except OSError as e:
+        full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        raise UsageError(f"out_dir {path!r} is not writable ({e.strerror}): "
+                         f"{'free some space, or ' if full else ''}choose another --out_dir") from None
+    for name in os.listdir(path):
+        if ".pt.tmp." in name:
+            os.remove(os.path.join(path, name))
+
+
+def remove_if_unused(path):
+    if set(os.listdir(path)) <= {".lock"}:
+        with suppress(OSError):  # another train.py may have just taken it
+            if os.listdir(path):
+                os.remove(os.path.join(path, ".lock"))
+            os.rmdir(path)
