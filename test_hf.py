@@ -4,16 +4,22 @@ Nothing is downloaded: every model is built from a config here."""
 
 import json
 import os
+import re
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing can be downloaded here; nothing should try
 
+import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import common
-import tokenizer
+import data
 import hf
-from model import ModelConfig, Transformer
+import prepare
+import sample
+import tokenizer
+import train
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -72,13 +78,16 @@ def padded(B, T):
     return tokens(B, T) * mask, mask
 
 
-DECODERS = {  # name: (family, HF config)
-    "gpt2": ("gpt2", {}),
-    "gpt2-untied": ("gpt2", dict(tie_word_embeddings=False)),
-    "llama-gqa-untied": ("llama", dict(rope_theta=50000.0)),
-    "llama-gqa-tied": ("llama", dict(rope_theta=50000.0, tie_word_embeddings=True)),
-    "llama-linear-rope-scaling": ("llama", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=5e4))),
-    "mistral-window-8": ("mistral", dict(sliding_window=8)),
+DECODERS = {  # name: (family, HF config, what our config reads from it)
+    "gpt2": ("gpt2", {}, dict(n_head=4, n_kv_head=4, window=0, tie_embeddings=True)),
+    "gpt2-untied": ("gpt2", dict(tie_word_embeddings=False), dict(tie_embeddings=False)),
+    "llama-gqa-untied": ("llama", dict(rope_theta=50000.0),
+                         dict(n_head=4, n_kv_head=2, rope_theta=50000.0, window=0, tie_embeddings=False)),
+    "llama-gqa-tied": ("llama", dict(rope_theta=50000.0, tie_word_embeddings=True),
+                       dict(n_kv_head=2, rope_theta=50000.0, tie_embeddings=True)),
+    "llama-linear-rope-scaling": ("llama", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=5e4)),
+                                  dict(rope_theta=5e4, rope_scaling=2.0)),
+    "mistral-window-8": ("mistral", dict(sliding_window=8), dict(n_kv_head=2, window=8)),
 }
 
 
@@ -86,23 +95,15 @@ DECODERS = {  # name: (family, HF config)
 # Reading
 
 @pytest.mark.parametrize("name", DECODERS)
-def test_decoder_logits_equal_hfs(name, tmp_path):
-    family, kw = DECODERS[name]
+def test_decoder_config_reads_heads_rope_window_and_tying_and_the_logits_equal_hfs(name, tmp_path):
+    family, kw, read = DECODERS[name]
     theirs = hf_model(family, **kw)
     ours = hf.from_pretrained(saved(theirs, tmp_path))
     assert ours.config.tie_embeddings == theirs.config.tie_word_embeddings
+    assert {k: getattr(ours.config, k) for k in read} == read  # Llama's grouped heads and rope_theta; Mistral's window
     idx = tokens(2, 24)  # longer than Mistral's window of 8
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, atol=1e-4, rtol=0)
-
-
-def test_llama_reads_grouped_query_heads_and_rope_theta(tmp_path):
-    c = hf.from_pretrained(saved(hf_model("llama", rope_theta=50000.0), tmp_path)).config
-    assert (c.n_head, c.n_kv_head, c.rope_theta, c.window, c.tie_embeddings) == (4, 2, 50000.0, 0, False)
-
-
-def test_mistral_sliding_window_is_our_window(tmp_path):
-    assert hf.from_pretrained(saved(hf_model("mistral", sliding_window=8), tmp_path)).config.window == 8
 
 
 def test_bert_masked_lm_logits_equal_hfs_with_padding(tmp_path):
@@ -118,7 +119,7 @@ def test_bert_masked_lm_logits_equal_hfs_with_padding(tmp_path):
 
 
 @pytest.mark.parametrize("version", ["t5", "t5v1.1"])
-def test_t5_logits_equal_hfs_with_a_padded_source(version, tmp_path):
+def test_t5_logits_and_greedy_generation_from_a_padded_source_equal_hfs(version, tmp_path):
     theirs = hf_model(version)
     ours = hf.from_pretrained(saved(theirs, tmp_path))
     assert ours.config.mlp == ("geglu" if version == "t5v1.1" else "relu")
@@ -129,26 +130,19 @@ def test_t5_logits_equal_hfs_with_a_padded_source(version, tmp_path):
         want = theirs(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
         got = ours(tgt, src=src, src_mask=mask.bool())[0]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    want = theirs.generate(input_ids=src, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    start = torch.zeros(2, 1, dtype=torch.long)  # T5 starts decoding from its pad token, 0
+    assert torch.equal(ours.generate(start, 20, temperature=0, src=src, src_mask=mask.bool()), want)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-gqa-tied", "mistral-window-8"])
 def test_greedy_generation_through_our_kv_cache_equals_hfs(name, tmp_path):
-    family, kw = DECODERS[name]
+    family, kw, _ = DECODERS[name]
     theirs = hf_model(family, **kw)
     ours = hf.from_pretrained(saved(theirs, tmp_path))
     idx = tokens(2, 6)  # 6 + 20 tokens: past Mistral's window of 8
     want = theirs.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, max_new_tokens=20)
     assert torch.equal(ours.generate(idx, 20, temperature=0), want)
-
-
-@pytest.mark.parametrize("version", ["t5", "t5v1.1"])
-def test_t5_greedy_generation_from_a_padded_source_equals_hfs(version, tmp_path):
-    theirs = hf_model(version)
-    ours = hf.from_pretrained(saved(theirs, tmp_path))
-    src, mask = padded(2, 12)
-    want = theirs.generate(input_ids=src, attention_mask=mask, do_sample=False, max_new_tokens=20)
-    start = torch.zeros(2, 1, dtype=torch.long)  # T5 starts decoding from its pad token, 0
-    assert torch.equal(ours.generate(start, 20, temperature=0, src=src, src_mask=mask.bool()), want)
 
 
 def test_sharded_safetensors_load(tmp_path):
@@ -213,15 +207,11 @@ EXPORTS = {  # name: (our config, the Auto class that loads it)
 }
 
 
-def our_model(**kw):
-    kw = dict(vocab_size=V, block_size=64, n_layer=2, n_head=4, n_embd=64) | kw
-    return randomize(Transformer(ModelConfig(**kw)))
-
-
 @pytest.mark.parametrize("name", EXPORTS)
-def test_export_loads_in_transformers_with_our_logits_and_reads_back_exactly(name, tmp_path):
+def test_export_loads_in_transformers_with_our_logits_and_reads_back_exactly(name, tmp_path, tiny_model):
     kw, auto = EXPORTS[name]
-    ours = our_model(**kw)
+    # heads of 16: T5 folds 1/sqrt(head_size) into its queries' weights, exactly only for a power of 4
+    ours = randomize(tiny_model(vocab_size=V, n_embd=64, **kw))
     hf.save_pretrained(ours, tmp_path)
     theirs = getattr(transformers, auto).from_pretrained(tmp_path).eval()
     idx, mask = padded(2, 20)
@@ -242,29 +232,33 @@ def test_export_loads_in_transformers_with_our_logits_and_reads_back_exactly(nam
         assert not ours.config.bias and not back_params[n].any(), n
 
 
-def test_export_command_writes_a_runs_model_and_its_tokenizer(tmp_path, capsys):
+def test_export_command_writes_a_runs_model_and_its_tokenizer(tmp_path, capsys, tiny_model):
     from tokenizers import Tokenizer, models
 
     from checkpoint import CKPT_KEYS
 
     tokenizer_json = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).to_str()
     for kind, kw in (("hf", {}), ("char", dict(arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp="relu",
-                                               bias=False))):
-        model = our_model(**kw)
+                                               bias=False, vocab_size=128))):
+        model = randomize(tiny_model(**dict(vocab_size=V) | kw))
         meta = dict(tokenizer=kind, vocab_size=3) | (dict(tokenizer_json=tokenizer_json) if kind == "hf"
                                                      else dict(vocab=["a", "b", "c"]))
         ckpt = {k: None for k in CKPT_KEYS} | dict(model=model.state_dict(), model_config=vars(model.config),
-                                                   tokens=dict(start=V - 1), meta=meta)
+                                                   tokens=data.special_tokens(3), meta=meta, iter_num=0,
+                                                   best_val_loss=1.0, evaluated_at=0, val_loss=1.0)
         (tmp_path / kind).mkdir()
         torch.save(ckpt, tmp_path / kind / "ckpt.pt")
         assert hf.main(["export", str(tmp_path / kind), str(tmp_path / f"{kind}-hf")]) == 0
-        out = capsys.readouterr().out
-        assert ("character-level" in out) == (kind == "char")
-    assert (tmp_path / "hf-hf" / "tokenizer.json").read_text() == tokenizer_json
+        assert f"{tmp_path / kind / 'ckpt.pt'}: iteration 0, val loss 1.0000" in capsys.readouterr().out
+    assert (tmp_path / "hf-hf" / "tokenizer.json").read_text() == tokenizer_json  # a model's own, as it came
     assert tokenizer.tokenizer_meta(tmp_path / "hf-hf") == dict(tokenizer="hf", tokenizer_json=tokenizer_json)
-    assert json.loads((tmp_path / "char-hf" / "config.json").read_text())["decoder_start_token_id"] == V - 1
+    # characters, then the mask (unused by span corruption), the start token and 100 sentinels: 105 of 128 ids
+    assert json.loads((tmp_path / "char-hf" / "config.json").read_text())["vocab_size"] == 105
+    assert tokenizer.tokenizer_meta(tmp_path / "char-hf") == dict(tokenizer="char", vocab=["a", "b", "c"])
     loaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "char-hf")
-    assert loaded.config.decoder_start_token_id == V - 1
+    assert loaded.config.decoder_start_token_id == 4
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "char-hf")
+    assert hf_tok("ab<extra_id_0>c").input_ids == [0, 1, 5, 2] and hf_tok.decode([4, 0, 104]) == "<|start|>a<extra_id_99>"
 
 
 def test_export_command_errors_are_one_line_with_exit_2(tmp_path, capsys):
@@ -332,17 +326,17 @@ def test_import_refusals_name_the_feature(config, feature, tmp_path):
      "mlp='geglu'"),
     (dict(arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp="swiglu", bias=False), "mlp='swiglu'"),
 ])
-def test_export_refusals_name_the_feature(config, feature, tmp_path):
+def test_export_refusals_name_the_feature(config, feature, tmp_path, tiny_model):
     with pytest.raises(hf.HFError, match=feature) as e:
-        hf.save_pretrained(our_model(**config), tmp_path)
+        hf.save_pretrained(tiny_model(vocab_size=V, **config), tmp_path)
     assert "\n" not in str(e.value) and not os.listdir(tmp_path)
 
 
-def test_an_int8_model_is_refused(tmp_path):
+def test_an_int8_model_is_refused(tmp_path, tiny_model):
     from quantize import quantize_int8
 
     with pytest.raises(hf.HFError, match="int8"):
-        hf.save_pretrained(quantize_int8(our_model()), tmp_path)
+        hf.save_pretrained(quantize_int8(tiny_model(vocab_size=V)), tmp_path)
 
 
 def test_a_directory_without_weights_is_refused(tmp_path):
@@ -366,3 +360,211 @@ def test_a_name_that_is_not_a_directory_is_downloaded_or_refused_in_one_line(mon
     monkeypatch.setitem(__import__("sys").modules, "huggingface_hub", None)  # as if not installed
     with pytest.raises(hf.HFError, match="pip install huggingface_hub"):
         hf.from_pretrained("gpt2")
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face models on the command line: sample, finetune, export
+
+
+SEP = "\n---------------\n"  # after each sample sample.py shows
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    """A random GPT-2 of transformers' (GPT-2's own vocabulary, 64 positions), saved as the hub holds it."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2))
+    with torch.no_grad():
+        for p in model.parameters():  # every tensor random, norms and biases too: a swapped one shows
+            p.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+def test_sample_continues_a_pretrained_gpt2_as_transformers_greedy_generate_does(workdir, tiny_gpt2, gpt2_bpe,
+                                                                                in_process, capsys):
+    d, _ = workdir
+    path, model = tiny_gpt2
+    enc = tokenizer.gpt2_encoding()
+    prompt = "ROMEO: what light"
+    with torch.no_grad():
+        want = model.generate(torch.tensor([enc.encode_ordinary(prompt)]), do_sample=False, max_new_tokens=20,
+                              pad_token_id=0)[0, -20:].tolist()
+    capsys.readouterr()
+    assert in_process(sample.main, [f"--init_from={path}", f"--start={prompt}", "--max_new_tokens=20",
+                                    "--temperature=0"], cwd=d) == 0
+    assert capsys.readouterr().out.split(SEP)[0] == prompt + enc.decode(want)
+
+
+def test_train_finetunes_a_pretrained_gpt2_from_its_own_loss_then_resumes_samples_and_exports(
+        workdir, tiny_gpt2, gpt2_bpe, run, in_process, refusal, capsys, files_under, losses, tiny_args):
+    d, _ = workdir
+    path, model = tiny_gpt2
+    assert run("prepare.py", "text", "--input=texts/*.txt", "--name=verse_gpt2", f"--tokenizer={path}",
+               cwd=d)[0] == 0  # GPT-2's own directory: tiktoken's gpt2 encoding
+    args = ["--dataset=verse_gpt2", "--out_dir=out-finetune", f"--init_from={path}", *tiny_args, "--eval_interval=6",
+            "--dropout=0.1"]
+    code, log, err = run("train.py", *args, "--max_iters=6", cwd=d)  # TINY's block_size=16: 16 of 64 positions
+    assert code == 0, err
+    # the first evaluation is the pretrained model's own loss on the same batches, through transformers
+    val = np.memmap(d / "data" / "verse_gpt2" / "val.bin", dtype=np.uint16, mode="r")
+    special = data.special_tokens(50257)
+    with torch.no_grad():
+        hf_loss = np.mean([torch.nn.functional.cross_entropy(model(b["idx"]).logits.flatten(0, 1),
+                                                             b["targets"].flatten())
+                           for k in range(2) for b in [data.get_batch(val, "decoder", 4, 16,
+                                                                        data.eval_rng(1337, True, 0, k), special,
+                                                                        50257)]])
+    first, last = (float(v) for v in re.findall(r"step \d+: train loss \S+, val loss ([\d.]+)", log))
+    assert first == pytest.approx(hf_loss, abs=1e-4) and last < first
+    saved = torch.load(d / "out-finetune" / "ckpt.pt", weights_only=True)
+    assert saved["model_config"]["block_size"] == 16 and saved["model_config"]["dropout"] == 0.1
+    assert saved["model"]["decoder.wpe.weight"].shape == (16, 32)  # the position table, cropped
+    capsys.readouterr()
+    assert in_process(train.main, [*args[:2], *tiny_args, "--eval_interval=6", "--dropout=0.1", "--init_from=resume",
+                                   "--max_iters=8"], cwd=d) == 0
+    assert len(losses(capsys.readouterr().out)) == 2
+    assert in_process(sample.main, ["--out_dir=out-finetune", "--start=LEAR:", "--max_new_tokens=5"], cwd=d) == 0
+    assert capsys.readouterr().out.startswith("LEAR:")
+    # export: transformers reads the finetuned model with our logits
+    assert in_process(hf.main, ["export", "out-finetune", "hf-finetune"], cwd=d) == 0
+    written = files_under(d / "hf-finetune")
+    refusal(hf.main, ["export", "out-finetune", "hf-finetune"], "hf-finetune is not empty", cwd=d)
+    assert files_under(d / "hf-finetune") == written  # nothing overwritten
+    mine, _, _ = checkpoint.load_model(str(d / "out-finetune"), torch.device("cpu"))  # best.pt, as exported
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(d / "hf-finetune").eval()
+    idx = torch.randint(0, 50257, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, mine(idx)[0], atol=1e-4, rtol=1e-4)
+
+
+def test_finetuning_refuses_what_the_pretrained_model_does_not_fit_in_one_line(workdir, tiny_gpt2, refusal,
+                                                                               tiny_args):
+    d, _ = workdir
+    path, _ = tiny_gpt2
+    cases = [(("--dataset=verse", "--n_layer=3"), [f"--n_layer=3 does not match {path}'s n_layer=2"]),
+             (("--dataset=verse", "--block_size=128"), [f"--block_size=128 does not match {path}'s block_size=64"]),
+             (("--dataset=verse",), ["dataset 'verse' was not prepared with", "--tokenizer"])]
+    for i, (args, fragments) in enumerate(cases):
+        refusal(train.main, [f"--out_dir=out-refused-{i}", f"--init_from={path}", *tiny_args, *args], *fragments,
+                cwd=d)
+    refusal(sample.main, ["--init_from=no/such/model"], "'no/such/model'", cwd=d)
+    assert not list(d.glob("out-refused*"))
+
+
+def test_a_mistyped_init_from_is_not_taken_for_a_model_to_download(workdir, refusal, tiny_args):
+    d, _ = workdir
+    for main, argv in ((train.main, ["--init_from=resum", "--dataset=verse", *tiny_args]),
+                       (sample.main, ["--init_from=resum"])):
+        refusal(main, argv, "'resum' is no model directory: did you mean resume?", cwd=d)
+
+
+def test_prepare_takes_a_hugging_face_tokenizer_and_sample_streams_its_text(tmp_path, corpus, in_process, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    text = corpus(600)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(text.splitlines(), tokenizers.trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    model_dir = tmp_path / "tiny-llama"
+    llama.save_pretrained(model_dir)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    in_process(prepare.main, ["text", "--input=t.txt", "--name=t", f"--tokenizer={model_dir}"], cwd=tmp_path)
+    meta = json.loads((tmp_path / "data" / "t" / "meta.json").read_text())
+    train_ids, val_ids = (np.fromfile(tmp_path / "data" / "t" / f"{s}.bin", dtype=meta["dtype"])
+                          for s in ("train", "val"))
+    assert meta["tokenizer"] == "hf" and meta["vocab_size"] == tok.get_vocab_size()
+    assert tok.decode(train_ids.tolist()) + tok.decode(val_ids.tolist()) == text
+    capsys.readouterr()
+    assert in_process(sample.main, [f"--init_from={model_dir}", "--start=LEAR:", "--max_new_tokens=12",
+                                    "--temperature=0"], cwd=tmp_path) == 0
+    with torch.no_grad():
+        ids = llama.generate(torch.tensor([tok.encode("LEAR:").ids]), do_sample=False, max_new_tokens=12,
+                             pad_token_id=0)[0].tolist()
+    assert capsys.readouterr().out.split(SEP)[0] == tok.decode(ids)  # streamed piece by piece, the same text
+
+
+# ----------------------------------------------------------------------------------------------
+# An export is complete: the tokenizer transformers loads, the vocabulary the run uses, and it
+# comes back into nanoformer
+
+def exported(d, run_dir, in_process, capsys, *extra):
+    out = d / f"hf-{run_dir}{''.join(extra)}"
+    assert in_process(hf.main, ["export", run_dir, str(out), *extra], cwd=d) == 0
+    return out, capsys.readouterr().out
+
+
+def greedy(model_dir, prompt, n):
+    """transformers' own tokenizer and greedy generate on an export: the text it writes."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    return tok.decode(model.generate(ids, max_new_tokens=n, do_sample=False)[0])
+
+
+@pytest.mark.parametrize("kind", ["char", "gpt2"])
+def test_an_export_carries_its_tokenizer_and_generates_in_transformers_and_in_sample_py_as_the_run_does(
+        workdir, kind, in_process, run, capsys, tiny_args, request):
+    d, text = workdir
+    if kind == "gpt2":
+        request.getfixturevalue("gpt2_bpe")  # skipped without GPT-2's BPE files
+        assert run("prepare.py", "text", "--input=texts/*.txt", "--name=verse-bpe", cwd=d)[0] == 0
+    name = "verse" if kind == "char" else "verse-bpe"
+    assert in_process(train.main, [f"--dataset={name}", f"--out_dir=out-export-{kind}", *tiny_args,
+                                   "--max_iters=2"], cwd=d) == 0
+    capsys.readouterr()
+    path, said = exported(d, f"out-export-{kind}", in_process, capsys)
+    assert f"out-export-{kind}/best.pt: iteration 2, val loss" in said
+    meta = json.loads((d / "data" / name / "meta.json").read_text())
+    assert json.loads((path / "config.json").read_text())["vocab_size"] == meta["vocab_size"]  # not the padded size
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    ours = tokenizer.Tokenizer(meta)
+    assert hf_tok("LEAR: sweet sorrow").input_ids == ours.encode("LEAR: sweet sorrow")
+    args = ["--start=LEAR:", "--temperature=0", "--max_new_tokens=12"]
+    assert in_process(sample.main, [f"--out_dir=out-export-{kind}", *args], cwd=d) == 0
+    from_run = capsys.readouterr().out
+    assert "<|endoftext|>" not in from_run  # transformers would stop there, sample.py goes on
+    assert in_process(sample.main, [f"--init_from={path}", *args], cwd=d) == 0
+    assert capsys.readouterr().out == from_run  # read back: the same greedy text
+    assert greedy(path, "LEAR:", 12) == from_run.split("\n---------------\n")[0]  # and in transformers
+
+
+def test_an_encoders_export_names_its_mask_and_reads_back(workdir, in_process, capsys, tiny_args):
+    d, _ = workdir
+    assert in_process(train.main, ["--dataset=verse", "--out_dir=out-export-bert", "--arch=encoder",
+                                   "--norm_first=False", *tiny_args, "--max_iters=2"], cwd=d) == 0
+    capsys.readouterr()
+    path, _ = exported(d, "out-export-bert", in_process, capsys)
+    ckpt = torch.load(d / "out-export-bert" / "best.pt", weights_only=True)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert hf_tok.mask_token == "[MASK]" and hf_tok.convert_tokens_to_ids("[MASK]") == ckpt["tokens"]["mask"]
+    args = ["--start=LEAR: [MASK]ear[MASK] day", "--temperature=0"]
+    assert in_process(sample.main, ["--out_dir=out-export-bert", *args], cwd=d) == 0
+    from_run = capsys.readouterr().out
+    assert in_process(sample.main, [f"--init_from={path}", *args], cwd=d) == 0
+    assert capsys.readouterr().out == from_run
+
+
+def test_exported_files_follow_the_users_umask(workdir, in_process, capsys, tiny_args):
+    d, _ = workdir
+    assert in_process(train.main, ["--dataset=verse", "--out_dir=out-umask", *tiny_args, "--max_iters=1"], cwd=d) == 0
+    path, _ = exported(d, "out-umask", in_process, capsys)
+    umask = os.umask(0o22)
+    os.umask(umask)
+    files = [*path.iterdir(), d / "out-umask" / "ckpt.pt", d / "out-umask" / "best.pt"]
+    assert len(files) == 6 and all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in files), files
+
+
+def test_export_takes_the_latest_checkpoint_when_asked(workdir, in_process, capsys, tiny_args):
+    d, _ = workdir
+    assert in_process(train.main, ["--dataset=verse", "--out_dir=out-latest", *tiny_args, "--max_iters=1"], cwd=d) == 0
+    capsys.readouterr()
+    _, said = exported(d, "out-latest", in_process, capsys, "--ckpt=latest")
+    assert "out-latest/ckpt.pt: iteration 1, val loss" in said

@@ -1,16 +1,18 @@
 """Properties of kernels.flash_attention: its output and its gradients equal those of attention
-written out plainly in torch, over every feature it claims. Without a GPU the kernels run in
-Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), so the cases stay small."""
+written out plainly in torch, over every feature it claims; and inside model.py, a model on the
+kernel computes what the math path does, and "auto" takes it where it applies. Without a GPU the
+kernels run in Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), so the cases stay small."""
 
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import kernels
+from model import Mask, ModelConfig, attn_impl, speculative_generate
+from quantize import quantize_int8
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -277,45 +279,22 @@ def test_invalid_arguments_are_refused_with_a_message(bad, message):
         kernels.flash_attention(**{n: x.to(DEVICE) if torch.is_tensor(x) else x for n, x in args.items()})
 
 
-def run_python(code, *args):
-    return subprocess.run([sys.executable, *(["-c", code] if code else []), *args], cwd=HERE,
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_without_triton_the_module_imports_and_the_kernel_says_to_install_it():
-    r = run_python(
-        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
-        "import torch, kernels\n"
-        "assert kernels.available is False\n"
-        "try:\n"
-        "    kernels.flash_attention(*torch.zeros(3, 1, 1, 4, 16))\n"
-        "except RuntimeError as e:\n"
-        "    assert 'pip install triton' in str(e), e\n"
-        "else:\n"
-        "    raise AssertionError('no error')\n")
-    assert r.returncode == 0, r.stderr
-
-
-@pytest.mark.skipif(CUDA, reason="checks the message printed where there is no GPU")
-def test_benchmark_without_a_gpu_exits_2_with_a_one_line_message():
-    r = run_python(None, "bench.py", "attention", "--seqs=512")
-    assert r.returncode == 2 and r.stdout == ""
-    assert len(r.stderr.strip().splitlines()) == 1 and "CUDA" in r.stderr, r.stderr
-
-
-@pytest.mark.parametrize("args", [[], ["attentoin"]])
-def test_bench_without_a_known_name_exits_2_naming_the_choices(args):
-    r = run_python(None, "bench.py", *args)
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.startswith("bench.py: error: ") and "choose one of train, sample, attention" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_without_triton_the_module_imports_and_the_kernel_says_to_install_it(run):
+    code, _, err = run(sys.executable, "-c",
+                       "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
+                       "import torch, kernels\n"
+                       "assert kernels.available is False\n"
+                       "try:\n"
+                       "    kernels.flash_attention(*torch.zeros(3, 1, 1, 4, 16))\n"
+                       "except RuntimeError as e:\n"
+                       "    assert 'pip install triton' in str(e), e\n"
+                       "else:\n"
+                       "    raise AssertionError('no error')\n", cwd=HERE)
+    assert code == 0, err
 
 
 # ----------------------------------------------------------------------------------------------
-# The kernel inside model.py
-
-from model import Mask, ModelConfig, Transformer, attn_impl, speculative_generate  # noqa: E402
-from quantize import quantize_int8  # noqa: E402
+# The kernel inside model.py (conftest's tiny_model: vocab 61, context 32, 2 layers, 4 heads of 8)
 
 MODEL_CASES = [
     dict(arch="decoder", pos="alibi", window=5, n_kv_head=2),
@@ -325,15 +304,9 @@ MODEL_CASES = [
 ]
 
 
-def twin_models(impl, seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=64, attn_impl=impl) | kw
-    return Transformer(ModelConfig(**cfg)).to(DEVICE)
-
-
 @needs_triton
 @pytest.mark.parametrize("kw", MODEL_CASES, ids=lambda kw: "-".join(map(str, kw.values())))
-def test_a_model_on_the_kernel_has_the_logits_and_gradients_of_the_math_path(kw):
+def test_a_model_on_the_kernel_has_the_logits_and_gradients_of_the_math_path(kw, tiny_model):
     kw = dict(kw)
     padded = kw.pop("padded", False)
     g = torch.Generator().manual_seed(1)
@@ -345,7 +318,7 @@ def test_a_model_on_the_kernel_has_the_logits_and_gradients_of_the_math_path(kw)
     targets = idx.masked_fill(~valid, -100) if kw["arch"] == "encoder" and padded else idx
     results = []
     for impl in ("triton", "math"):
-        model = twin_models(impl, **kw)
+        model = tiny_model(attn_impl=impl, **kw).to(DEVICE).train()
         inputs = dict(src=src, src_mask=valid if padded else None) if src is not None else \
             dict(mask=valid if padded else None)
         logits, loss = model(idx, targets, **inputs)
@@ -360,22 +333,24 @@ def test_a_model_on_the_kernel_has_the_logits_and_gradients_of_the_math_path(kw)
 
 @needs_triton
 @pytest.mark.parametrize("kw", [MODEL_CASES[0], MODEL_CASES[3]], ids=["decoder-alibi-window-gqa", "encoder-decoder"])
-def test_cached_generation_on_the_kernel_equals_the_math_path(kw):
+def test_cached_generation_on_the_kernel_equals_the_math_path(kw, tiny_model):
     kw = {k: v for k, v in kw.items() if k != "padded"}
-    idx = torch.randint(0, 40, (2, 1 if kw["arch"] == "encoder-decoder" else 6)).to(DEVICE)
-    src = torch.randint(0, 40, (2, 9)).to(DEVICE) if kw["arch"] == "encoder-decoder" else None
-    out = [twin_models(impl, **kw).eval().generate(idx, 8, temperature=0, src=src) for impl in ("triton", "math")]
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 40, (2, 1 if kw["arch"] == "encoder-decoder" else 6), generator=g).to(DEVICE)
+    src = torch.randint(0, 40, (2, 9), generator=g).to(DEVICE) if kw["arch"] == "encoder-decoder" else None
+    out = [tiny_model(attn_impl=impl, **kw).to(DEVICE).generate(idx, 8, temperature=0, src=src)
+           for impl in ("triton", "math")]
     assert torch.equal(out[0], out[1])
 
 
 @needs_triton
 @pytest.mark.parametrize("pos", ["rope", "alibi"])
-def test_past_block_size_the_kernel_slides_the_window_the_math_path_does(pos):
+def test_past_block_size_the_kernel_slides_the_window_the_math_path_does(pos, tiny_model):
     # relative positions: a cached model sees the last block_size keys, prompt and output alike
     idx = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     logits = []
     for impl in ("triton", "math"):
-        model = twin_models(impl, pos=pos, block_size=8).eval()
+        model = tiny_model(attn_impl=impl, pos=pos, block_size=8).to(DEVICE)
         model.setup_kv_cache(2, model.cache_size(20))
         with torch.no_grad():  # a prefill twice block_size long, then one token at a time
             out = [model(idx[:, :16], input_pos=torch.arange(16, device=DEVICE))[0]]
@@ -385,22 +360,23 @@ def test_past_block_size_the_kernel_slides_the_window_the_math_path_does(pos):
 
 
 @needs_triton
-def test_under_autocast_the_kernel_decodes_speculatively_and_with_int8_weights():
+def test_under_autocast_the_kernel_decodes_speculatively_and_with_int8_weights(tiny_model):
     # autocast casts SDPA's inputs but not a custom op's: the kernel's path meets autocast's dtype
     # itself (a draft's cache, an int8 layer's output and the rest would otherwise disagree)
     idx = torch.randint(0, 40, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     def greedy(impl, int8=False):
-        model = twin_models(impl).eval()
+        model = tiny_model(attn_impl=impl).to(DEVICE)
         return (quantize_int8(model) if int8 else model).generate(idx, 8, temperature=0)
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.float16):
         want = greedy("math")
-        target, draft = twin_models("triton").eval(), twin_models("triton", seed=1, n_layer=1).eval()
+        target, draft = tiny_model(attn_impl="triton").to(DEVICE), tiny_model(1, attn_impl="triton", n_layer=1).to(DEVICE)
         assert torch.equal(speculative_generate(target, draft, idx, 8, k=3, temperature=0)[0], want)
         assert torch.equal(greedy("triton", int8=True), greedy("math", int8=True))
 
 
 @needs_triton
-def test_auto_on_a_gpu_mixes_the_kernel_and_sdpa_per_mask_and_computes_what_the_math_path_does(monkeypatch):
+def test_auto_on_a_gpu_mixes_the_kernel_and_sdpa_per_mask_and_computes_what_the_math_path_does(monkeypatch,
+                                                                                               tiny_model):
     # an encoder-decoder with a padded source, as "auto" runs it on a GPU (here the CPU stands in,
     # and 8 queries count as many): the padded masks go to the kernel, the decoder's plain causal
     # self-attention and every one-query decode step to SDPA
@@ -420,7 +396,7 @@ def test_auto_on_a_gpu_mixes_the_kernel_and_sdpa_per_mask_and_computes_what_the_
     valid[0, -4:] = False
     results = []
     for impl in ("auto", "math"):
-        net = twin_models(impl, **kw)
+        net = tiny_model(attn_impl=impl, **kw).to(DEVICE).train()  # training: the path a training batch takes
         logits, loss = net(idx, idx, src=src, src_mask=valid)
         loss.backward()
         out = net.eval().generate(idx[:, :1], 2, temperature=0, src=src, src_mask=valid)  # a prefill, a cached step
@@ -433,17 +409,6 @@ def test_auto_on_a_gpu_mixes_the_kernel_and_sdpa_per_mask_and_computes_what_the_
     for x, y in zip(grads_a, grads_b):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
     assert torch.equal(out_a, out_b)
-
-
-def test_train_bench_names_the_attention_a_training_batch_takes_as_auto_would_on_a_gpu(monkeypatch):
-    import bench
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    kernel = "triton" if kernels.available else "sdpa"
-    def used(**kw):
-        cfg = dict(vocab_size=40, block_size=4096, n_layer=1, n_head=2, n_embd=16, pos="alibi") | kw
-        return bench.training_attention(Transformer(ModelConfig(**cfg)), torch.device("cuda"))
-    assert used() == used(pos="rope", window=8) == used(arch="encoder", pos="rope", window=8) == kernel
-    assert used(pos="rope") == used(dropout=0.1) == used(block_size=2048) == "sdpa"  # dropout: when training
 
 
 def test_auto_takes_the_kernel_on_cuda_only_where_it_applies(monkeypatch):

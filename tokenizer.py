@@ -54,6 +54,25 @@ def gpt2_encoding():
                              special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
 
 
+END_OF_TEXT = "<|endoftext|>"  # GPT-2's, and a character-level dataset's, between documents
+
+
+def hf_end_of_text(path, enc):
+    """A Hugging Face model's end-of-text id: its config.json's eos_token_id, else its
+    tokenizer_config.json's eos_token (enc: its tokenizer); None if neither names one."""
+    for name, key in (("config.json", "eos_token_id"), ("tokenizer_config.json", "eos_token")):
+        with suppress(OSError, ValueError, AttributeError):
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                eos = json.load(f).get(key)
+            eos = eos[0] if isinstance(eos, list) and eos else eos
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if isinstance(eos, str):
+                eos = enc.token_to_id(eos)
+            if isinstance(eos, int):
+                return eos
+    return None
+
+
 def tokenizer_meta(name):
     """What a dataset's meta.json (and so every checkpoint) records of the tokenizer called name:
     "char" (the vocabulary comes from the text), "gpt2", or a Hugging Face model directory: for a
@@ -70,7 +89,69 @@ def tokenizer_meta(name):
         raise UsageError(f"tokenizer {str(name)!r} is not char, gpt2 or a Hugging Face model directory with a "
                          "tokenizer.json: give one of those")
     with open(path, encoding="utf-8") as f:
-        return dict(tokenizer="hf", tokenizer_json=f.read())
+        text = f.read()
+    with suppress(ValueError, KeyError, TypeError, AttributeError):  # one character a token, as hf_files writes it
+        spec = json.loads(text)
+        vocab = spec["model"]["vocab"]
+        chars = sorted(vocab, key=vocab.get)
+        if spec["decoder"]["type"] == "Fuse" and not spec["model"]["merges"] and [vocab[c] for c in chars] == list(
+                range(len(chars))) and all(len(c) == 1 for c in chars):
+            ends = [t for t in spec["added_tokens"] if t["content"] == END_OF_TEXT and t["id"] == len(chars)]
+            return dict(tokenizer="char", vocab=chars + [END_OF_TEXT] * len(ends))
+    return dict(tokenizer="hf", tokenizer_json=text)
+
+
+def token_names(arch, tokens):
+    """{id: name} of the objective's own tokens, as an export's tokenizer calls them: BERT's [MASK];
+    also T5's <extra_id_k> sentinels and the decoder's first token, which follow the mask (every id
+    is named: a tokenizer.json numbers its added tokens after its vocabulary, without gaps). A
+    decoder has none."""
+    if arch == "decoder":
+        return {}
+    names = {tokens["mask"]: "[MASK]"}
+    if arch == "encoder-decoder":
+        step = tokens.get("sentinel_step", 1)
+        names |= {tokens["start"]: "<|start|>"} | {tokens["sentinel"] + k * step: f"<extra_id_{k}>"
+                                                   for k in range(tokens["n_sentinel"])}
+    return names
+
+
+def added_token(i, text, normalized=False):
+    """A special token of a tokenizer.json: never split, never normalised away."""
+    return dict(id=i, content=text, single_word=False, lstrip=False, rstrip=False, normalized=normalized, special=True)
+
+
+def hf_files(meta, specials, block_size):
+    """The texts of tokenizer.json and tokenizer_config.json that transformers' AutoTokenizer loads as
+    the tokenizer meta names: GPT-2's byte-level BPE from its files, one token per character, or
+    the model's own tokenizer.json. specials: {id: text} of the objectives' tokens (a mask, sentinels)."""
+    if meta["tokenizer"] == "hf":  # the model's own, as it came
+        return meta["tokenizer_json"], json.dumps(dict(model_max_length=block_size))
+    added = [added_token(i, t) for i, t in sorted(specials.items())]
+    if meta["tokenizer"] == "char":  # an end of text is an added token; the model's vocabulary is characters
+        model = dict(vocab={c: i for i, c in enumerate(meta["vocab"]) if c != END_OF_TEXT}, merges=[])
+        around, decoder, config = None, dict(type="Fuse"), dict(tokenizer_class="PreTrainedTokenizerFast")
+        if END_OF_TEXT in meta["vocab"]:
+            added.insert(0, added_token(meta["vocab"].index(END_OF_TEXT), END_OF_TEXT))
+            config |= dict(eos_token=END_OF_TEXT)
+    else:
+        files = gpt2_bpe_files()
+        with open(files["encoder.json"], encoding="utf-8") as f:
+            vocab = json.load(f)
+        with open(files["vocab.bpe"], encoding="utf-8") as f:
+            merges = [line for line in f.read().split("\n")[1:] if line]  # after the "#version" line
+        model = dict(vocab=vocab, merges=merges)
+        eot = END_OF_TEXT
+        added.insert(0, added_token(50256, eot, normalized=True))
+        around = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=True)
+        decoder = around
+        config = dict(tokenizer_class="GPT2Tokenizer", bos_token=eot, eos_token=eot, unk_token=eot)
+    model = dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None, end_of_word_suffix=None,
+                 fuse_unk=False, byte_fallback=False, ignore_merges=False, **model)
+    spec = dict(version="1.0", truncation=None, padding=None, added_tokens=added, normalizer=None, pre_tokenizer=around,
+                post_processor=around, decoder=decoder, model=model)
+    config |= {"mask_token": t for t in specials.values() if t == "[MASK]"}
+    return json.dumps(spec, ensure_ascii=False, indent=1), json.dumps(dict(config, model_max_length=block_size), indent=1)
 
 
 def hf_tokenizer(text):

@@ -91,6 +91,7 @@ TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), batch_size="[1, inf)", gra
                     seed="[0, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]", noise_density="(0, 1)")
 RUN_TIME = ("attn_impl", "dropout")  # model settings that a resumed run may change
 MASTER = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 logs and writes
+EVAL_NOTICE_S = 5  # an evaluation expected to take longer than this (seconds) says so after its first batch
 STOP = []  # the signals received (SIGINT, SIGTERM): the run saves and stops at the next iteration
 
 
@@ -152,7 +153,8 @@ def model_config_of(cfg, model_args, meta, ckpt):
             raise UsageError(f"dataset {cfg.dataset!r} was not prepared with {source}'s tokenizer: prepare it with "
                              f"python prepare.py text --input=... --tokenizer={ckpt['path']}")
         raise UsageError(f"{source} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
-                         f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with its --dataset")
+                         f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with "
+                         f"--dataset={ckpt.get('train_config', {}).get('dataset', '...')}")
     # as in nanoGPT, training settings come from the command line and config file, not the
     # checkpoint: say which differ, so that a resume without the run's config file is noticed
     changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in ckpt.get("train_config", {}).items()
@@ -224,11 +226,12 @@ def batch(run, split, gen):
 
 
 @torch.no_grad()
-def evaluate(run):
+def evaluate(run, it):
     """Mean loss over eval_iters batches per split and rank (the same batches at every eval),
-    averaged over the ranks; None if a signal cuts it short (the resumed run evaluates again)."""
+    averaged over the ranks; None if a signal cuts it short (the resumed run evaluates again).
+    One that will take more than a few seconds says so after its first batch."""
     run.model.eval()
-    out = {}
+    out, t0 = {}, time.time()
     for split in ("train", "val"):
         losses = torch.zeros(run.cfg.eval_iters, device=run.device)
         for k in range(run.cfg.eval_iters):
@@ -237,12 +240,16 @@ def evaluate(run):
                 return None
             with run.autocast:
                 losses[k] = run.model(**batch(run, split, eval_rng(run.cfg.seed, split == "val", run.rank, k)))[1]
+            if split == "train" and k == 0:
+                sync(run.device)
+                if (eta := (time.time() - t0) * 2 * run.cfg.eval_iters) > EVAL_NOTICE_S:
+                    log(f"step {it}: evaluating {2 * run.cfg.eval_iters} batches per rank, about {eta:.0f} s")
         out[split] = all_ranks(losses.mean()).item() / run.world
     run.model.train()
     return out
 
 
-def save(run, path, iter_num, best_val_loss, evaluated_at):
+def save(run, path, iter_num, best_val_loss, evaluated_at, val_loss):
     """Write a checkpoint of iteration iter_num, unless the weights are broken (then the last good
     one stays). Under DDP every rank takes part, and rank 0 writes."""
     if not all(torch.isfinite(p).all() for p in run.raw_model.parameters()):
@@ -259,7 +266,7 @@ def save(run, path, iter_num, best_val_loss, evaluated_at):
                              scaler=run.scaler.state_dict(), model_config=asdict(run.raw_model.config),
                              train_config=asdict(run.cfg), rng=states, meta=run.meta,
                              tokens=run.tokens, iter_num=iter_num,
-                             best_val_loss=best_val_loss, evaluated_at=evaluated_at), path)
+                             best_val_loss=best_val_loss, evaluated_at=evaluated_at, val_loss=val_loss), path)
         except UsageError as e:  # a full disk: every rank stops with it (rank 0 says why), rather than
             failed = e  # the others meeting a closed connection at their next collective
     if all_ranks(torch.tensor(float(failed is not None), device=run.device)).item() and not failed:
@@ -326,7 +333,7 @@ def main(argv):
     STOP.clear()  # signals from an earlier run in this process (tests) are not this run's
     with ExitStack() as held:  # what the run holds until it ends, however it ends: its lock on out_dir
         try:
-            return train(cfg, model_args, held)
+            return train(cfg, model_args, held, given=set(train_args))
         except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeErrors
             if (oom := out_of_memory(e)) is None:
                 raise
@@ -334,7 +341,7 @@ def main(argv):
                              "tokens per step; checkpoints already in out_dir are as they were") from None
 
 
-def train(cfg, model_args, held):
+def train(cfg, model_args, held, given=()):
     # distributed: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
     ddp = "RANK" in os.environ
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")) if ddp else (0, 0, 1)
@@ -357,12 +364,15 @@ def train(cfg, model_args, held):
             if os.path.exists(p):
                 raise UsageError(f"{p} holds a run that a new one would overwrite: continue it with "
                                  "--init_from=resume, or choose another --out_dir (or delete it)")
-    data, meta = load_data(cfg.data_dir, cfg.dataset)
     ckpt = None  # what the model starts from: a checkpoint to resume, or a pretrained model's weights
     if cfg.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path, f"copy {best_path} to {ckpt_path} to resume from the best checkpoint"
                                if os.path.exists(best_path) else None)
-    elif cfg.init_from != "scratch":
+        if "dataset" not in given:  # the run's own data, unless told otherwise
+            cfg = replace(cfg, **{k: ckpt["train_config"][k] for k in ("dataset", "data_dir")
+                                  if k not in given and k in ckpt["train_config"]})
+    data, meta = load_data(cfg.data_dir, cfg.dataset)
+    if cfg.init_from not in ("scratch", "resume"):
         import hf  # safetensors and the name maps, only for a pretrained model
         model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"))
         ckpt["model"] = model.state_dict()
@@ -377,22 +387,18 @@ def train(cfg, model_args, held):
     model = Transformer(config).to(device)
     optimizer = make_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None)  # evaluated_at: the last full eval
+    # progress: the best val loss so far, and the iteration and val loss of the last full evaluation
+    it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None, val_loss=None)
     if ckpt is not None:
         for k in [k for k in ckpt["model"] if k.endswith("wpe.weight")]:  # a shorter block_size: fewer positions
             ckpt["model"][k] = ckpt["model"][k][: config.block_size]
         model.load_state_dict(ckpt["model"])
     if cfg.init_from == "resume":
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        optimizer.load_state_dict(ckpt["optimizer"])  # the moments, and the checkpoint's betas and decay...
-        for group, ours in zip(optimizer.param_groups, settings):  # ...which give way to this run's, as logged
-            group.update(ours)
-        if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
-            scaler.load_state_dict(ckpt["scaler"])
-        it = ckpt["iter_num"]
-        progress = dict(best_val_loss=ckpt["best_val_loss"], evaluated_at=ckpt.get("evaluated_at", it))
-        if len(ckpt["rng"]) == world:  # each rank carries on with its own dropout stream
-            set_rng_state(ckpt["rng"][rank], device)
+        it, progress = resume(ckpt, optimizer, scaler, rank, world, device)
+        if it >= cfg.max_iters and not cfg.eval_only:
+            log(f"{ckpt_path} is at iteration {it} of max_iters={cfg.max_iters}: nothing to do. To train on, raise "
+                f"--max_iters (and --lr_decay_iters, where the learning rate has decayed)")
+            return 0
     del ckpt
     compiled = torch.compile(model) if cfg.compile else model
     if ddp:  # experts a batch does not route to get no gradient, which DDP must be told
@@ -405,8 +411,38 @@ def train(cfg, model_args, held):
     return loop(run, it, progress, dtype)
 
 
+def resume(ckpt, optimizer, scaler, rank, world, device):
+    """Put back the optimizer's moments, the gradient scale and this rank's random state from ckpt;
+    returns the iteration to go on from and the progress the checkpoint kept."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(ckpt["optimizer"])  # the moments, and the checkpoint's betas and decay...
+    for group, ours in zip(optimizer.param_groups, settings):  # ...which give way to this run's, as logged
+        group.update(ours)
+    if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
+        scaler.load_state_dict(ckpt["scaler"])
+    if len(ckpt["rng"]) == world:  # each rank carries on with its own dropout stream
+        set_rng_state(ckpt["rng"][rank], device)
+    it = ckpt["iter_num"]
+    return it, dict(best_val_loss=ckpt["best_val_loss"], evaluated_at=ckpt.get("evaluated_at", it),
+                    val_loss=ckpt.get("val_loss"))
+
+
 def kept(path, saved_at):
     return "no checkpoint was written" if saved_at is None else f"{path} keeps iteration {saved_at}"
+
+
+def start_line(run, dtype):
+    """Log what trains where; returns the tokens per iteration and a function from seconds per
+    iteration to the MFU text of a log line. A GPU's peak comes from its spec sheet (or a large
+    matmul); a CPU gets no MFU: its measured peak moves with the machine's other load."""
+    c, device = run.raw_model.config, run.device
+    tokens_per_iter = run.cfg.gradient_accumulation_steps * run.cfg.batch_size * c.block_size
+    flops_per_iter = run.raw_model.flops_per_token(c.block_size) * tokens_per_iter / run.world
+    peak, source = peak_flops(device, dtype) if device.type == "cuda" else (None, "")
+    n_params = sum(p.numel() for p in run.raw_model.parameters())
+    log(f"{c.arch} with {n_params / 1e6:.2f}M parameters on {run.world} x {device} ({dtype}); {tokens_per_iter:,} "
+        f"tokens per iteration" + (f"; MFU against {source}" if peak else ""))
+    return tokens_per_iter, lambda dt: f"mfu {flops_per_iter / dt / peak:.1%}, " if peak else ""
 
 
 def loop(run, it, progress, dtype):
@@ -415,24 +451,20 @@ def loop(run, it, progress, dtype):
     cfg, device = run.cfg, run.device
     writes = not cfg.eval_only
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * run.raw_model.config.block_size
-    flops_per_iter = run.raw_model.flops_per_token(run.raw_model.config.block_size) * tokens_per_iter / run.world
-    peak, peak_source = peak_flops(device, dtype)
-    n_params = sum(p.numel() for p in run.raw_model.parameters())
-    log(f"{run.raw_model.config.arch} with {n_params / 1e6:.2f}M parameters on {run.world} x {device} ({dtype}); "
-        f"{tokens_per_iter:,} tokens per iteration; MFU against {peak_source}")
+    tokens_per_iter, mfu = start_line(run, dtype)
     saved_at = it if cfg.init_from == "resume" else None  # what ckpt.pt holds
     bad_steps = skipped = 0
-    t_start = time.time()
+    t_start, started = time.time(), it
     t0, t0_iter = t_start, it  # the start of the timing that the next log line reports
     while True:
         lr = learning_rate(it, cfg)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
-        due = cfg.eval_only or it % cfg.eval_interval == 0 and it != progress["evaluated_at"]
-        losses = evaluate(run) if due else None  # None also when a signal cut it short
+        # every eval_interval, and at the end, so that best.pt and ckpt.pt both know the last weights
+        due = cfg.eval_only or (it % cfg.eval_interval == 0 or it == cfg.max_iters) and it != progress["evaluated_at"]
+        losses = evaluate(run, it) if due else None  # None also when a signal cut it short
         if losses is not None:
-            progress["evaluated_at"] = it
+            progress.update(evaluated_at=it, val_loss=losses["val"])
             log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
                 f"({time.time() - START:.1f} s since start)")
             if not math.isfinite(losses["val"]):
@@ -471,13 +503,12 @@ def loop(run, it, progress, dtype):
         optimizer_step(run.model, run.optimizer, run.scaler, cfg.grad_clip)
         it += 1
 
-        if it % cfg.log_interval == 0 and MASTER:
+        if (it % cfg.log_interval == 0 or it == started + 1) and MASTER:  # the first as soon as it is timed
             sync(device)
             dt = (time.time() - t0) / (it - t0_iter)  # fewer than log_interval after a resume or an eval
             t0, t0_iter = time.time(), it
             log(f"iter {it}: loss {step_loss.item():.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
-                f"{tokens_per_iter / dt:,.0f} tokens/s, mfu {flops_per_iter / dt / peak:.1%}, "
-                f"{hms((cfg.max_iters - it) * dt)} left")
+                f"{tokens_per_iter / dt:,.0f} tokens/s, {mfu(dt)}{hms((cfg.max_iters - it) * dt)} left")
 
     if writes and it != saved_at:
         save(run, ckpt_path, it, **progress)  # the final state, unless just saved

@@ -1,0 +1,124 @@
+"""bench.py: the decoding benchmarks (cache, no cache, int8, the floor; speculative decoding against
+the target alone), the attention a training batch takes, and its command line in the style of the
+other scripts. (bench.py train against nanoGPT's recipe: test_train.py.)"""
+
+import io
+import re
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+
+import bench
+import common
+import kernels
+import train
+from common import UsageError
+from model import ModelConfig
+from quantize import Int8Linear
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding
+
+def test_bench_sample_times_the_target_alone_and_speculative_decoding_in_one_run(trained, in_process, tiny_args,
+                                                                                  capsys):
+    d = trained  # out-ok, the target; a draft of one layer beside it
+    assert in_process(train.main, ["--dataset=verse", "--out_dir=out-draft", "--max_iters=2", "--eval_interval=2",
+                                   *tiny_args, "--n_layer=1"], cwd=d) == 0
+    capsys.readouterr()
+    assert in_process(bench.main, ["sample", "--out_dir=out-ok", "--draft_dir=out-draft", "--draft_k=3",
+                                   "--max_new_tokens=20", "--device=cpu"], cwd=d) == 0
+    out = capsys.readouterr().out
+    alone = float(re.search(r"^target alone: +([\d,.]+) tokens/s$", out, re.M)[1].replace(",", ""))
+    fast = float(re.search(r"^speculative: +([\d,.]+) tokens/s \(draft tokens accepted \d+/\d+, [\d.]+%\)$", out,
+                           re.M)[1].replace(",", ""))
+    assert float(re.search(r"^speed-up: ([\d.]+)x$", out, re.M)[1]) == pytest.approx(fast / alone, abs=0.011)
+    assert "k=3; 20 new tokens" in out
+
+
+def test_bench_compiled_times_each_models_own_decode_step(monkeypatch):
+    # torch.compile wraps decode in a closure over the model: a copy made after compiling would
+    # decode with the original (a stand-in closure, so that the test needs no compiler)
+    decoded = set()
+    def closure_compile(fn, **kw):
+        def step(*args, **kwargs):
+            decoded.add(any(isinstance(m, Int8Linear) for m in fn.__self__.modules()))
+            return fn(*args, **kwargs)
+        return step
+    monkeypatch.setattr(torch, "compile", closure_compile)
+    config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    with redirect_stdout(io.StringIO()):
+        bench.decode_speed(config, torch.device("cpu"), torch.float32, compile=True, news=(4, 8), prompt=3)
+    assert decoded == {False, True}  # the full-precision model and the int8 one, each its own
+
+
+def test_bench_prints_cache_no_cache_int8_and_floor():
+    config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        bench.decode_speed(config, torch.device("cpu"), torch.float32, news=(4, 8), prompt=3)
+    text = out.getvalue()
+    assert "floor (every weight's product once):" in text
+    diff = float(re.search(r"int8 logits: max \|difference\| / max \|logit\| = ([\d.]+)", text).group(1))
+    assert 0 < diff < 0.05  # int8 was applied, and rounds each weight by at most half a step
+    rows = [line for line in text.splitlines() if re.match(r"\s+\d+ \|", line)]
+    assert [int(r.split("|")[0]) for r in rows] == [4, 8] and all(r.count("tok/s") == 3 for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+def test_train_bench_names_the_attention_a_training_batch_takes_as_auto_would_on_a_gpu(monkeypatch, tiny_model):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    kernel = "triton" if kernels.available else "sdpa"
+    def used(**kw):  # 4096 positions: where the kernel beats SDPA
+        return bench.training_attention(tiny_model(**dict(block_size=4096, n_layer=1, pos="alibi") | kw),
+                                        torch.device("cuda"))
+    assert used() == used(pos="rope", window=8) == used(arch="encoder", pos="rope", window=8) == kernel
+    assert used(pos="rope") == used(dropout=0.1) == used(block_size=2048) == "sdpa"  # dropout: when training
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line, in the style of the other scripts
+
+def test_bench_help_lists_every_benchmarks_settings_and_one_benchmarks_alone(capsys):
+    assert bench.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(bench.__doc__.strip())
+    assert all(f"\n    {key}: " in text for key in ("max_iters", "n_layer", "draft_dir", "seqs", "no_math"))
+    assert bench.main(["attention", "-h"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("python bench.py attention: ") and "\n    seqs: tuple | int = " in text
+    assert "max_iters" not in text
+
+
+def test_bench_attention_reads_lists_with_commas():
+    cfg = bench.AttentionConfig(**common.parse_settings(["--seqs=1024,4096", "--dims=64"], bench.AttentionConfig)[0])
+    assert (bench.sizes(cfg, "seqs"), bench.sizes(cfg, "dims")) == ((1024, 4096), (64,))
+    with pytest.raises(UsageError, match="seqs=.* should be positive whole numbers: write --seqs=1024,4096"):
+        bench.sizes(bench.AttentionConfig(seqs=(512, 0)), "seqs")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--max_iter=3"], "did you mean --max_iters?"),
+    (["attention", "--sqes=1"], "did you mean --seqs?"),
+    ([], "no benchmark named: choose one of train, sample, attention"),
+    (["attentoin"], "unknown benchmark 'attentoin': choose one of train, sample, attention"),
+    pytest.param(["attention", "--seqs=512"], "attention needs a CUDA GPU", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="checks the message printed where there is no GPU")),
+], ids=["misspelt-train-setting", "misspelt-attention-setting", "no-name", "unknown-name", "no-gpu"])
+def test_bench_refuses_a_misspelt_setting_an_unknown_benchmark_or_no_gpu_in_one_line(args, message, refusal, capsys):
+    refusal(bench.main, args, message)
+    assert capsys.readouterr().out == ""  # nothing measured, nothing printed
+
+
+def test_bench_from_the_command_line_answers_help_and_refuses_in_one_line_with_exit_2(tmp_path, run, in_parallel,
+                                                                                      one_line_error):
+    # the command line's own runs: its __main__ block turns main's UsageError into this line
+    (code, text, _), (code2, out, err) = in_parallel(lambda: run("bench.py", "--help", cwd=tmp_path),
+                                                     lambda: run("bench.py", "attentoin", cwd=tmp_path))
+    assert code == 0 and "Settings (--key=value" in text
+    assert out == "" and one_line_error((code2, out, err), "choose one of train, sample, attention")
+    assert err == "bench.py: error: unknown benchmark 'attentoin': choose one of train, sample, attention " \
+                  "(python bench.py --help lists their settings)\n", err

@@ -1,0 +1,306 @@
+"""Generation with model.py: decoding through the KV cache equals recomputing everything, within
+and past block_size; left-padded batches; decoding without host syncs, compiled; sampling; and
+speculative decoding. Every model is conftest's tiny_model (vocab 61, context 32, 2 layers, 4 heads
+of 8, width 32, eval mode), with the overrides a test names."""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import model as model_module
+from model import POSITIONS, KVCache, Transformer, accept_or_resample, sample, speculative_generate
+
+V = 61  # tiny_model's vocabulary
+
+
+def config_id(kw):
+    return "-".join(str(v) for v in kw.values())
+
+
+def prompt(T, B=1, seed=1):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def source(arch, B, S=7, seed=2):
+    """An encoder-decoder's source; None for a decoder."""
+    return prompt(S, B, seed) if arch == "encoder-decoder" else None
+
+
+def greedy_without_cache(model, idx, steps, src=None, temperature=0.0):
+    """The reference: every step runs the whole sequence again. A model sees at most block_size
+    tokens: with absolute positions the last block_size (as nanoGPT crops); with relative ones
+    every query attends to its last block_size keys (a sliding window, as generate's cache does)."""
+    c = model.config
+    if model.absolute_positions:
+        crop = slice(-c.block_size, None)
+    else:
+        windowed = Transformer(dataclasses.replace(c, window=min(c.window or c.block_size, c.block_size))).eval()
+        windowed.load_state_dict(model.state_dict())
+        model, crop = windowed, slice(None)
+    logits = []
+    for _ in range(steps):
+        step = model(idx[:, crop], src=src)[0][:, -1]
+        logits.append(step)
+        idx = torch.cat((idx, sample(step, temperature)), dim=1)
+    return idx, torch.stack(logits, 1)
+
+
+def greedy_with_cache(model, idx, steps, src=None):
+    """The same, one token at a time through the cache, as generate() does (within block_size)."""
+    memory = None
+    if src is not None:
+        memory = model.encoder(model.wte(src), torch.arange(src.size(1))[None])
+    size = model.config.window or idx.size(1) + steps
+    model.setup_kv_cache(idx.size(0), size, memory)
+    logits = model(idx, input_pos=torch.arange(idx.size(1)))[0][:, -1:]
+    for i in range(steps - 1):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        idx = torch.cat((idx, nxt), dim=1)
+        logits = torch.cat((logits, model(nxt, input_pos=torch.tensor([idx.size(1) - 1]))[0]), dim=1)
+    model.clear_kv_cache()
+    return logits
+
+
+def sharp(model):
+    """The model with its matrices scaled up 8 times: peaked predictions that depend on the context,
+    unlike a freshly initialised model's, whose greedy output soon repeats one token (and any draft
+    agrees)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(8)
+    return model
+
+
+def noisy_copy(model, scale, seed=7):
+    """A draft that agrees with the target only some of the time."""
+    torch.manual_seed(seed)
+    draft = Transformer(model.config).eval()
+    with torch.no_grad():
+        for p, q in zip(draft.parameters(), model.parameters()):
+            p.copy_(q + scale * q.abs().mean() * torch.randn_like(q))
+    return draft
+
+
+# ----------------------------------------------------------------------------------------------
+# The KV cache
+
+# Every arch that generates with every position scheme, each with and without a window; the key/value
+# heads (MHA, GQA, MQA) rotate so that each meets each position scheme and each window, with each arch.
+CACHE_CASES = [dict(arch=a, pos=p, n_kv_head=[4, 2, 1][(i + j + w // 3) % 3], window=w)
+               for i, a in enumerate(("decoder", "encoder-decoder")) for j, p in enumerate(POSITIONS) for w in (0, 3)]
+
+
+@pytest.mark.parametrize("kw", CACHE_CASES, ids=config_id)
+def test_cached_decoding_equals_recomputing_everything(kw, tiny_model):
+    model = tiny_model(**kw)
+    idx, src = prompt(5, B=2), source(kw["arch"], B=2)
+    ref_tokens, ref_logits = greedy_without_cache(model, idx, 12, src)
+    torch.testing.assert_close(greedy_with_cache(model, idx, 12, src), ref_logits, rtol=0, atol=1e-5)
+    assert torch.equal(model.generate(idx, 12, temperature=0, src=src), ref_tokens)
+
+
+@pytest.mark.parametrize("T", [5, 50], ids=["prompt5", "prompt50"])  # 50: longer than block_size, 6 times over
+@pytest.mark.parametrize("pos", POSITIONS)
+def test_generate_past_block_size_sees_block_size_tokens_as_the_reference_does(pos, T, monkeypatch, tiny_model):
+    """And a prompt longer than the cache goes in by pieces of the cache's size: with relative
+    positions too, which read the whole prompt, each query through a window of block_size, so that
+    attention over a prompt of T tokens takes O(block_size^2) memory, not O(T^2). (Absolute positions
+    crop the prompt to its last block_size tokens instead.)"""
+    model = tiny_model(pos=pos, block_size=8)
+    idx = prompt(T, B=2)
+    ref_tokens, ref_logits = greedy_without_cache(model, idx, 14)
+    seen = []  # the logits generate() samples from, step by step
+    monkeypatch.setattr(model_module, "sample", lambda logits, *a: seen.append(logits) or logits.argmax(-1, keepdim=True))
+    shapes, attend = [], model_module.attention  # (queries, keys) of each call
+    monkeypatch.setattr(model_module, "attention", lambda q, k, *a: shapes.append(q.shape[2:3] + k.shape[2:3])
+                        or attend(q, k, *a))
+    assert torch.equal(model.generate(idx, 14, temperature=0), ref_tokens)
+    torch.testing.assert_close(torch.stack(seen, 1), ref_logits, rtol=0, atol=1e-5)
+    if T == 50 and not model.absolute_positions:
+        layers = model.config.n_layer
+        assert shapes[:7 * layers:layers] == [(8, 16)] * 6 + [(2, 10)]  # 50 = 6 pieces of 8 and 2, then decoding
+        assert max(shapes) == (8, 16)
+
+
+def test_windowed_cache_holds_at_most_window_positions(tiny_model):
+    model = tiny_model(pos="rope", window=4)
+    sizes = []
+    model.decoder.h[0].attn.register_forward_hook(lambda m, i, o: sizes.append(m.kv_cache.k.size(2)))
+    model.generate(torch.zeros(1, 3, dtype=torch.long), 40, temperature=0)
+    assert len(sizes) == 40 and set(sizes) == {4}
+
+
+def test_encoder_decoder_generation_encodes_the_source_once(tiny_model):
+    model = tiny_model(arch="encoder-decoder", pos="relative")
+    calls = []
+    model.encoder.register_forward_hook(lambda m, i, o: calls.append(1))
+    cross = model.decoder.h[0].cross_attn.c_kv
+    cross.register_forward_hook(lambda m, i, o: calls.append(2))
+    model.generate(prompt(1, B=2), 10, src=source("encoder-decoder", B=2))
+    assert calls == [1, 2]  # one encoder pass, one projection of its keys and values
+
+
+def test_gqa_cache_is_n_head_over_n_kv_head_times_smaller(tiny_model):
+    def cache_numel(n_kv_head):
+        model = tiny_model(n_head=8, n_kv_head=n_kv_head, n_embd=64)  # 8 heads: 1, 2 and 8 key/value heads
+        model.setup_kv_cache(2, 16)
+        return sum(b.numel() for m in model.modules() if isinstance(m, KVCache) for b in m.buffers())
+    assert cache_numel(8) == 4 * cache_numel(2) == 8 * cache_numel(1)
+
+
+def test_generate_rejects_an_encoder(tiny_model):
+    with pytest.raises(ValueError, match="encoder does not generate"):
+        tiny_model(arch="encoder").generate(torch.zeros(1, 2, dtype=torch.long), 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fast decoding
+
+def test_decoding_never_reads_a_tensor_value_on_the_host(monkeypatch, tiny_model):
+    models = [tiny_model(pos="rope", n_kv_head=2), tiny_model(pos="learned", block_size=8, window=3)]
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        def refuse(*args, name=name):
+            raise AssertionError(f"Tensor.{name} would wait for the device")
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for model in models:  # sampling with top-k and top-p, and the crop past a learned table
+        out = model.generate(prompt(5, B=2), 12, temperature=0.9, top_k=10, top_p=0.9)
+        assert out.shape == (2, 17)
+
+
+@pytest.mark.parametrize("kw", [dict(pos="rope", n_kv_head=2), dict(pos="alibi", window=4),
+                                dict(pos="relative", n_kv_head=1), dict(arch="encoder-decoder", pos="sinusoidal")],
+                         ids=config_id)
+def test_the_decode_step_compiles_into_one_graph_and_matches_eager(kw, tiny_model):
+    model = tiny_model(**kw)
+    src = prompt(6, seed=2) if kw.get("arch") == "encoder-decoder" else None
+    memory = model.encoder(model.wte(src), torch.arange(6)[None]) if src is not None else None
+    step = torch.compile(model.decode, backend="aot_eager", fullgraph=True)  # fullgraph: no breaks
+    outs = []
+    for decode in (model.decode, step):
+        model.setup_kv_cache(1, 16, memory)
+        with torch.no_grad():
+            model(prompt(3), input_pos=torch.arange(3))
+            outs.append(torch.stack([decode(prompt(1, seed=i), torch.tensor([[3 + i]])) for i in range(5)]))
+        model.clear_kv_cache()
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Left-padded batches
+
+@pytest.mark.parametrize("kw", [dict(pos="rope"), dict(pos="learned", block_size=12), dict(pos="alibi", n_kv_head=2),
+                                dict(pos="relative", window=4), dict(pos="sinusoidal"), dict(pos="none")],
+                         ids=config_id)
+def test_each_row_of_a_left_padded_batch_has_the_logits_and_the_greedy_output_of_its_prompt_alone(kw, tiny_model):
+    # the forward pass, on SDPA and the math path, of this config and of its position scheme alone:
+    # row 0 is a 7-token prompt, left-padded to 10
+    idx = prompt(10, B=2)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[0, :3] = False
+    positions = (torch.arange(10) - torch.tensor([[3], [0]])).clamp(min=0)  # each row counts from 0
+    for config, impl in itertools.product({config_id(c): c for c in (kw, dict(pos=kw["pos"]))}.values(),
+                                          ("sdpa", "math")):
+        model = tiny_model(attn_impl=impl, **config)
+        logits = model(idx, mask=valid, input_pos=positions)[0]
+        assert not logits.isnan().any()  # padding rows see themselves, so no softmax is empty
+        torch.testing.assert_close(logits[0, 3:], model(idx[:1, 3:])[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[1], model(idx[1:])[0][0], rtol=1e-5, atol=1e-5)
+    # greedy decoding, of prompts of 3, 9, 1 and 20 tokens (20: longer than the cache, in pieces)
+    model = sharp(tiny_model(**kw))
+    prompts = [prompt(n, seed=n)[0] for n in (3, 9, 1, 20)]
+    T = max(map(len, prompts))
+    idx = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        idx[i, T - len(p):], mask[i, T - len(p):] = p, True
+    together = model.generate(idx, 15, temperature=0, mask=mask)[:, T:]
+    for i, p in enumerate(prompts):
+        assert torch.equal(together[i], model.generate(p[None], 15, temperature=0)[0, len(p):])
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+
+def test_sampling_follows_temperature_top_k_and_top_p():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
+    freq = torch.bincount(sample(logits).view(-1), minlength=4) / 20000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), rtol=0, atol=0.015)
+    top2 = torch.bincount(sample(logits, top_k=2).view(-1), minlength=4) / 20000
+    torch.testing.assert_close(top2, torch.tensor([0.625, 0.375, 0, 0]), rtol=0, atol=0.015)
+    nucleus = torch.bincount(sample(logits, top_p=0.7).view(-1), minlength=4) / 20000  # 0.5 + 0.3 cover 0.7
+    torch.testing.assert_close(nucleus, torch.tensor([0.625, 0.375, 0, 0]), rtol=0, atol=0.015)
+    assert (sample(logits, top_p=0.4) == 0).all()  # the top token alone covers 0.4
+    assert (sample(logits, top_p=0.5) == 0).all()  # ...and exactly reaches 0.5: the smallest such set
+    assert (sample(logits, temperature=0) == 0).all()
+    hot = torch.bincount(sample(logits, temperature=100.0).view(-1), minlength=4) / 20000
+    assert hot.min() > 0.2  # a high temperature flattens towards uniform
+
+
+def test_the_same_seed_samples_the_same_text(tiny_model):
+    model = tiny_model(pos="rope")
+    idx = torch.zeros(2, 1, dtype=torch.long)
+    torch.manual_seed(7)
+    a = model.generate(idx, 20, temperature=1.0, top_k=10)
+    torch.manual_seed(7)
+    assert torch.equal(a, model.generate(idx, 20, temperature=1.0, top_k=10))
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative decoding
+
+@pytest.mark.parametrize("kw, draft_kw", [
+    (dict(pos="rope"), dict(n_layer=1)),
+    (dict(pos="sinusoidal", window=3), dict(n_layer=1, pos="alibi")),
+    (dict(pos="learned", block_size=16), dict(pos="learned", block_size=24, n_layer=1)),  # past the table
+    (dict(pos="relative", n_kv_head=2), dict(n_layer=1, n_embd=16, n_head=2)),
+], ids=["rope", "window", "learned-past-block", "relative-gqa"])
+def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(kw, draft_kw, tiny_model):
+    target = sharp(tiny_model(0, **kw))
+    drafts = [sharp(tiny_model(1, **{**kw, **draft_kw})), noisy_copy(target, 0.5)]  # mostly rejected; half accepted
+    accepted = proposed = 0
+    want = {}  # the target's own greedy output, for each prompt length and number of new tokens
+    for draft in drafts:
+        for T in (1, 6, 40):  # 40: a prompt longer than the caches, which go in by pieces
+            idx = prompt(T)
+            # 8 new tokens stay within block_size, where stale cache slots after a rollback would show
+            for k, n in itertools.product((1, 3, 5), (8, 30)):
+                out, a, p = speculative_generate(target, draft, idx, n, k=k, temperature=0)
+                if (T, n) not in want:
+                    want[T, n] = target.generate(idx, n, temperature=0)
+                assert torch.equal(out, want[T, n])
+                accepted, proposed = accepted + a, proposed + p
+    assert 0 < accepted < proposed  # both paths, keeping drafts and rolling them back, were taken
+
+
+def test_a_draft_identical_to_the_target_is_always_accepted(tiny_model):
+    target = tiny_model(pos="rope")
+    _, accepted, proposed = speculative_generate(target, target, prompt(4), 20, k=4, temperature=0.8)
+    assert accepted == proposed > 0
+
+
+def test_accept_or_resample_gives_the_targets_distribution_whatever_the_draft():
+    torch.manual_seed(0)
+    p = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]])  # the target at 2 positions
+    q = torch.tensor([[0.6, 0.1, 0.1, 0.2]])  # a draft that disagrees
+    first = torch.zeros(4)
+    n = 20000
+    for _ in range(n):
+        drafted = torch.multinomial(q[0], 1)
+        first[accept_or_resample(p, q, drafted)[0]] += 1
+    torch.testing.assert_close(first / n, p[0], rtol=0, atol=0.012)
+
+
+def test_speculative_sampling_draws_the_first_token_from_the_target(tiny_model):
+    target, draft = tiny_model(0, pos="rope", vocab_size=6), tiny_model(5, pos="rope", vocab_size=6, n_layer=1)
+    idx = prompt(3) % 6
+    with torch.no_grad():
+        want = target(idx)[0][0, -1].softmax(-1)
+    torch.manual_seed(0)
+    counts = torch.zeros(6)
+    for _ in range(2000):
+        counts[speculative_generate(target, draft, idx, 1, k=2, temperature=1.0)[0][0, -1]] += 1
+    torch.testing.assert_close(counts / 2000, want, rtol=0, atol=0.035)  # about 4 standard errors
