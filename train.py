@@ -91,7 +91,7 @@ TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), batch_size="[1, inf)", gra
                     seed="[0, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]", noise_density="(0, 1)")
 RUN_TIME = ("attn_impl", "dropout")  # model settings that a resumed run may change
 MASTER = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 logs and writes
-EVAL_NOTICE_S = 5  # an evaluation expected to take longer than this (seconds) says so after its first batch
+EVAL_NOTICE_S = 5  # an evaluation expected to take longer than this (seconds) says so early on
 STOP = []  # the signals received (SIGINT, SIGTERM): the run saves and stops at the next iteration
 
 
@@ -229,7 +229,7 @@ def batch(run, split, gen):
 def evaluate(run, it):
     """Mean loss over eval_iters batches per split and rank (the same batches at every eval),
     averaged over the ranks; None if a signal cuts it short (the resumed run evaluates again).
-    One that will take more than a few seconds says so after its first batch."""
+    One that will take more than a few seconds says so after its second batch."""
     run.model.eval()
     out, t0 = {}, time.time()
     for split in ("train", "val"):
@@ -240,9 +240,10 @@ def evaluate(run, it):
                 return None
             with run.autocast:
                 losses[k] = run.model(**batch(run, split, eval_rng(run.cfg.seed, split == "val", run.rank, k)))[1]
-            if split == "train" and k == 0:
+            if split == "train" and k < 2:  # timed by its second batch: the first pays for warming up
                 sync(run.device)
-                if (eta := (time.time() - t0) * 2 * run.cfg.eval_iters) > EVAL_NOTICE_S:
+                t0, seconds = time.time(), time.time() - t0
+                if k == 1 and (eta := seconds * 2 * run.cfg.eval_iters) > EVAL_NOTICE_S:
                     log(f"step {it}: evaluating {2 * run.cfg.eval_iters} batches per rank, about {eta:.0f} s")
         out[split] = all_ranks(losses.mean()).item() / run.world
     run.model.train()
