@@ -136,13 +136,12 @@ def read_file(arg, known, files):
     if os.path.isdir(arg) and "out_dir" in known:
         example = "give a config file such as configs/shakespeare_char.py, or " if files else ""
         raise UsageError(f"{arg!r} is a folder: {example}did you mean --out_dir={arg}?")
-    if not files or not os.path.isfile(arg):
-        why = (f"{arg!r} is not a setting" if not files else
-               f"config file {arg!r} {'is a folder' if os.path.isdir(arg) else 'not found'}")
-        hint = ("; if it came from an unquoted glob, quote it (--input='corpus/*.txt')" if os.path.exists(arg) and
-                not files else "")
-        example = "--key=value" if not files else "a file such as configs/shakespeare_char.py, or --key=value"
-        raise UsageError(f"{why}: give {example}{hint}")
+    if not files:  # a script of settings and positional words only: an existing path is a glob's spill
+        glob = "; if it came from an unquoted glob, quote it (--input='corpus/*.txt')" if os.path.exists(arg) else ""
+        raise UsageError(f"{arg!r} is not a setting: give --key=value{glob}")
+    if not os.path.isfile(arg):
+        raise UsageError(f"config file {arg!r} {'is a folder' if os.path.isdir(arg) else 'not found'}: give a file "
+                         "such as configs/shakespeare_char.py, or --key=value")
     scope = {}
     try:
         exec(compile(open(arg).read(), arg, "exec"), scope)

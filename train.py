@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kernels
 from checkpoint import load_checkpoint, prepare_out_dir, save_atomic
-from common import UsageError, check_ranges, parse_settings, as_given, usage
+from common import UsageError, as_given, check_ranges, parse_settings, usage
 from data import batch_rng, eval_rng, get_batch, load_data, new_model_config, span_counts, special_tokens
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, sync
 from model import ModelConfig, Transformer
@@ -80,7 +80,6 @@ class TrainConfig:
     compile: bool = False
     seed: int = 1337
     backend: str = "auto"  # distributed: "nccl" on CUDA, "gloo" on CPU
-
 
 
 # the values each setting may take, beyond its type (grad_clip=0: no clipping)
@@ -154,7 +153,7 @@ def model_config_of(cfg, model_args, meta, ckpt):
                              f"python prepare.py text --input=... --tokenizer={ckpt['path']}")
         raise UsageError(f"{source} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
                          f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with "
-                         f"--dataset={ckpt.get('train_config', {}).get('dataset', '...')}")
+                         f"--dataset={ckpt['train_config']['dataset']}")
     # as in nanoGPT, training settings come from the command line and config file, not the
     # checkpoint: say which differ, so that a resume without the run's config file is noticed
     changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in ckpt.get("train_config", {}).items()
@@ -242,9 +241,10 @@ def evaluate(run, it):
                 losses[k] = run.model(**batch(run, split, eval_rng(run.cfg.seed, split == "val", run.rank, k)))[1]
             if split == "train" and k < 2:  # timed by its second batch: the first pays for warming up
                 sync(run.device)
-                t0, seconds = time.time(), time.time() - t0
-                if k == 1 and (eta := seconds * 2 * run.cfg.eval_iters) > EVAL_NOTICE_S:
+                now = time.time()
+                if k == 1 and (eta := (now - t0) * 2 * run.cfg.eval_iters) > EVAL_NOTICE_S:
                     log(f"step {it}: evaluating {2 * run.cfg.eval_iters} batches per rank, about {eta:.0f} s")
+                t0 = now
         out[split] = all_ranks(losses.mean()).item() / run.world
     run.model.train()
     return out
