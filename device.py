@@ -125,3 +125,16 @@ def compile_decode(model, device):
     """Compile the one-token decoding step: one static graph per cache size (sizes come in steps),
     replayed as a CUDA graph on a GPU, plain inductor code elsewhere."""
     model.decode = torch.compile(model.decode, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else None)
+
+
+def rng_state(device):
+    state = dict(torch=torch.get_rng_state())
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)

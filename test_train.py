@@ -123,11 +123,6 @@ def test_the_optimizer_runs_at_the_scheduled_learning_rate(trained):
     assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == [scheduled] * 2  # decayed and not
 
 
-def test_the_time_left_counts_hours_past_a_day():
-    assert [train.hms(t) for t in (0, 59.9, 3725, 27 * 3600 + 21 * 60 + 2.5)] == ["0:00:00", "0:00:59", "1:02:05",
-                                                                                "27:21:02"]
-
-
 def test_each_log_line_times_the_iterations_since_the_last_line_or_eval(workdir, monkeypatch, capsys, in_process,
                                                                          tiny_args):
     d, _ = workdir

@@ -38,8 +38,9 @@ import kernels
 from checkpoint import load_checkpoint, prepare_out_dir, save_atomic
 from common import UsageError, as_given, check_ranges, parse_settings, usage
 from data import batch_rng, eval_rng, get_batch, load_data, new_model_config, span_counts, special_tokens
-from device import out_of_memory, peak_flops, pick_device, pick_dtype, sync
+from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, set_rng_state, sync
 from model import ModelConfig, Transformer
+from report import Report, hms
 
 
 @dataclass
@@ -69,6 +70,10 @@ class TrainConfig:
     eval_only: bool = False
     log_interval: int = 10
     always_save_checkpoint: bool = True  # ckpt.pt at every eval; best.pt only when val improves
+    # out_dir/metrics.jsonl and report.html are always written; wandb too, as in nanoGPT, when asked
+    wandb_log: bool = False
+    wandb_project: str = "nanoformer"
+    wandb_run_name: str = ""  # "" = a name wandb makes up
     max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss
     # objectives of the encoder (masked LM) and the encoder-decoder (span corruption)
     mask_prob: float = 0.15
@@ -117,12 +122,6 @@ def stopping(device):
     if not dist.is_initialized():
         return bool(STOP)
     return all_ranks(torch.tensor(float(bool(STOP)), device=device), dist.ReduceOp.MAX).item() > 0
-
-
-def hms(seconds):
-    """98462.5 -> '27:21:02': hours, minutes and seconds, the hours past 24 if need be."""
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60}:{m % 60:02d}:{s:02d}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,19 +181,6 @@ def check_fits(config, cfg, data, device, tokens):
         if len(d) <= L + 1:
             raise UsageError(f"{split}.bin of {cfg.dataset} holds {len(d)} tokens, fewer than block_size={L} + 2: "
                              "lower --block_size or use more text")
-
-
-def rng_state(device):
-    state = dict(torch=torch.get_rng_state())
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state, device):
-    torch.set_rng_state(state["torch"].cpu())
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
 @dataclass
@@ -434,7 +420,7 @@ def kept(path, saved_at):
 
 def start_line(run, dtype):
     """Log what trains where; returns the tokens per iteration and a function from seconds per
-    iteration to the MFU text of a log line. A GPU's peak comes from its spec sheet (or a large
+    iteration to the MFU (None without a peak to measure it against). A GPU's peak comes from its spec sheet (or a large
     matmul); a CPU gets no MFU: its measured peak moves with the machine's other load."""
     c, device = run.raw_model.config, run.device
     tokens_per_iter = run.cfg.gradient_accumulation_steps * run.cfg.batch_size * c.block_size
@@ -443,7 +429,7 @@ def start_line(run, dtype):
     n_params = sum(p.numel() for p in run.raw_model.parameters())
     log(f"{c.arch} with {n_params / 1e6:.2f}M parameters on {run.world} x {device} ({dtype}); {tokens_per_iter:,} "
         f"tokens per iteration" + (f"; MFU against {source}" if peak else ""))
-    return tokens_per_iter, lambda dt: f"mfu {flops_per_iter / dt / peak:.1%}, " if peak else ""
+    return tokens_per_iter, lambda dt: flops_per_iter / dt / peak if peak else None
 
 
 def loop(run, it, progress, dtype):
@@ -453,6 +439,7 @@ def loop(run, it, progress, dtype):
     writes = not cfg.eval_only
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     tokens_per_iter, mfu = start_line(run, dtype)
+    report = Report(run, it, tokens_per_iter, dtype) if writes and MASTER else None  # metrics, wandb, the page
     saved_at = it if cfg.init_from == "resume" else None  # what ckpt.pt holds
     bad_steps = skipped = 0
     t_start, started = time.time(), it
@@ -476,6 +463,8 @@ def loop(run, it, progress, dtype):
                     save(run, os.path.join(cfg.out_dir, "best.pt"), it, **progress)
                 if cfg.always_save_checkpoint and save(run, ckpt_path, it, **progress):
                     saved_at = it
+            if report:  # after the checkpoints, which matter more
+                report.evaluation(it, losses)
             t0, t0_iter = time.time(), it  # evaluation is not training time
         if stopping(device):
             if writes and it != saved_at and save(run, ckpt_path, it, **progress):
@@ -507,9 +496,11 @@ def loop(run, it, progress, dtype):
         if (it % cfg.log_interval == 0 or it == started + 1) and MASTER:  # the first as soon as it is timed
             sync(device)
             dt = (time.time() - t0) / (it - t0_iter)  # fewer than log_interval after a resume or an eval
-            t0, t0_iter = time.time(), it
-            log(f"iter {it}: loss {step_loss.item():.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
-                f"{tokens_per_iter / dt:,.0f} tokens/s, {mfu(dt)}{hms((cfg.max_iters - it) * dt)} left")
+            t0, t0_iter, loss, util = time.time(), it, step_loss.item(), mfu(dt)
+            log(f"iter {it}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, {tokens_per_iter / dt:,.0f} tokens/s, "
+                f"{f'mfu {util:.1%}, ' if util else ''}{hms((cfg.max_iters - it) * dt)} left")
+            if report:
+                report.add(it, loss=loss, lr=lr, ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt, mfu=util)
 
     if writes and it != saved_at:
         save(run, ckpt_path, it, **progress)  # the final state, unless just saved

@@ -1,0 +1,229 @@
+"""report.py: metrics.jsonl holds every log line and evaluation; a resumed run keeps one history, the
+same numbers as a run never stopped; the page is self-contained, says what the run is, has a point
+per record in each curve, and Chromium draws it; the greedy sample is the model's argmax; wandb
+(offline, the real package) receives the same numbers; a missing wandb is one line."""
+
+import base64
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import report
+import train
+from data import span_corrupt, special_tokens
+from tokenizer import Tokenizer
+
+TIMINGS = ("elapsed", "ms_per_iter", "tokens_per_s")  # the numbers that differ between two runs of the same
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def settings(out_dir, max_iters, *more):
+    return ["--dataset=verse", f"--out_dir={out_dir}", f"--max_iters={max_iters}", "--eval_interval=3", *more]
+
+
+def numbers(records):
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+
+
+@pytest.fixture(scope="module")
+def straight(workdir, in_process, tiny_args):
+    """out-a: 6 iterations in one go, evaluated at 0, 3 and 6, a log line at each iteration."""
+    d, _ = workdir
+    assert in_process(train.main, settings("out-a", 6, *tiny_args), cwd=d) == 0
+    return d / "out-a"
+
+
+def test_metrics_hold_every_line_and_a_resume_keeps_one_history(straight, workdir, in_process, tiny_args):
+    d, _ = workdir
+    a = report.read_metrics(straight / "metrics.jsonl")
+    steps, evals = [r for r in a if "loss" in r], [r for r in a if "val_loss" in r]
+    assert [r["iter"] for r in steps] == [1, 2, 3, 4, 5, 6] and [r["iter"] for r in evals] == [0, 3, 6]
+    assert all(r["tokens"] == r["iter"] * 4 * 16 for r in a)  # batch_size 4 x block_size 16
+    assert [r["elapsed"] for r in a] == sorted(r["elapsed"] for r in a)
+    assert {"loss", "lr", "ms_per_iter", "tokens_per_s"} <= set(steps[0]) and "mfu" not in steps[0]  # no MFU on a CPU
+    assert math.isclose(evals[-1]["val_loss"], torch.load(straight / "ckpt.pt", weights_only=True)["val_loss"])
+
+    # the same run stopped at 3 and resumed: the same numbers; resumed again from iteration 3 (a
+    # checkpoint copied back): the lines past 3 are dropped first, so the file holds one history
+    assert in_process(train.main, settings("out-b", 3, *tiny_args), cwd=d) == 0
+    shutil.copy(d / "out-b" / "ckpt.pt", d / "ckpt3.pt")
+    for _ in range(2):
+        assert in_process(train.main, settings("out-b", 6, "--init_from=resume", *tiny_args), cwd=d) == 0
+        b = report.read_metrics(d / "out-b" / "metrics.jsonl")
+        assert numbers(b) == numbers(a)
+        shutil.copy(d / "ckpt3.pt", d / "out-b" / "ckpt.pt")
+    assert [r["elapsed"] for r in b] == sorted(r["elapsed"] for r in b)  # the clock goes on from the last kept line
+    assert curves(d / "out-b" / "report.html")["val loss"] == 3  # one curve, not two
+
+
+def curves(path):
+    """The points of each curve on the page: {series name: number of points}."""
+    text = open(path, encoding="utf-8").read()
+    return {name: len(points.split()) for name, points in re.findall(r'data-series="([^"]+)"[^>]*points="([^"]*)"', text)}
+
+
+def chromium(*args):
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                           "--disable-background-networking", "--disable-component-update", "--no-first-run", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_page_says_what_the_run_is_and_chromium_draws_its_curves(straight, tmp_path):
+    page = straight / "report.html"
+    text = page.read_text(encoding="utf-8")
+    assert "<script" not in text and "<link" not in text and "src=" not in text  # self-contained: nothing to fetch
+    assert "decoder (pos=learned, norm=layernorm, mlp=gelu)" in text and "64 tokens per iteration" in text
+    n_params = sum(p.numel() for p in report.torch.load(straight / "ckpt.pt", weights_only=True)["model"].values())
+    assert f"{n_params / 1e6:.2f}M parameters" in text and "1 &times; cpu (float32)" in text
+    assert "newest point: iteration 6 of 6, 0:00:" in text and "dataset</td><td>&#x27;verse&#x27;" in text
+    records = report.read_metrics(straight / "metrics.jsonl")
+    n_steps, n_evals = sum("loss" in r for r in records), sum("val_loss" in r for r in records)
+    expected = {"train loss (each log line)": n_steps, "train loss (evaluation)": n_evals, "val loss": n_evals,
+                "lr": n_steps, "tokens/s": n_steps}
+    assert curves(page) == expected
+    if CHROMIUM is None:
+        pytest.skip("headless Chromium is not installed (.ci/run installs Debian's chromium)")
+    dom = chromium("--dump-dom", f"file://{page}").stdout  # the page as Chromium parsed it
+    assert len(re.findall(r"<svg", dom)) == 3 and curves_in(dom) == expected
+    shot = tmp_path / "shot.png"
+    chromium(f"--screenshot={shot}", "--window-size=1300,900", f"file://{page}")
+    assert colors_drawn(shot, tmp_path, report.COLORS[2], "#ffffff")[0] > 100  # the val loss curve, in red
+    white, = colors_drawn(shot, tmp_path, "#ffffff")
+    assert white < 0.97 * 1300 * 900  # not blank
+
+
+def curves_in(dom):
+    return {name: len(points.split()) for name, points in re.findall(r'data-series="([^"]+)"[^>]*points="([^"]*)"', dom)}
+
+
+def colors_drawn(png, tmp_path, *colors):
+    """How many pixels of the screenshot png are (near) each color: Chromium itself decodes the PNG,
+    on a canvas in a page of the test's own (the report has no script)."""
+    data = base64.b64encode(png.read_bytes()).decode()
+    probe = tmp_path / "probe.html"
+    probe.write_text(f"""<html><body><pre id="out"></pre><script>
+const img = new Image();
+img.onload = () => {{
+  const c = document.createElement("canvas"); c.width = img.width; c.height = img.height;
+  const g = c.getContext("2d"); g.drawImage(img, 0, 0);
+  const px = g.getImageData(0, 0, c.width, c.height).data;
+  const want = {json.dumps(colors)}.map(h => [1, 3, 5].map(i => parseInt(h.slice(i, i + 2), 16)));
+  const counts = want.map(() => 0);
+  for (let i = 0; i < px.length; i += 4)
+    want.forEach((w, k) => {{ if (w.every((v, j) => Math.abs(px[i + j] - v) < 24)) counts[k]++; }});
+  document.getElementById("out").textContent = JSON.stringify(counts);
+}};
+img.src = "data:image/png;base64,{data}";
+</script></body></html>""")
+    dom = chromium("--virtual-time-budget=10000", "--dump-dom", f"file://{probe}").stdout
+    return json.loads(re.search(r'<pre id="out">(.*?)</pre>', dom).group(1))
+
+
+def test_times_count_hours_past_a_day():  # the time left in a log line, the time into the run on the page
+    assert [report.hms(t) for t in (0, 59.9, 3725, 27 * 3600 + 21 * 60 + 2.5)] == ["0:00:00", "0:00:59", "1:02:05",
+                                                                                 "27:21:02"]
+
+
+def test_greedy_sample_is_the_models_argmax(tiny_model):
+    """Each architecture's sample against a plain argmax computed here, without the KV cache."""
+    meta = dict(tokenizer="char", vocab="".join(chr(97 + i) for i in range(26)) + " .,\n", vocab_size=30)
+    tok, tokens = Tokenizer(meta), special_tokens(30)
+    val = np.random.default_rng(0).integers(0, 30, 200).astype(np.uint16)
+    dec = tiny_model(vocab_size=192, block_size=256, pos="rope")
+    pieces = report.greedy_sample(dec, val, tokens, tok)
+    x = torch.tensor(val[:32].astype(np.int64))[None]
+    for _ in range(report.SAMPLE_NEW):
+        x = torch.cat((x, dec(x)[0][:, -1, :30].argmax(-1, keepdim=True)), dim=1)
+    assert pieces == [(tok.decode(x[0, :32].tolist()), False), (tok.decode(x[0, 32:].tolist()), True)]
+
+    enc = tiny_model(arch="encoder", vocab_size=192, block_size=64)
+    pieces = report.greedy_sample(enc, val, tokens, tok)
+    x = torch.tensor(val[:64].astype(np.int64))
+    hidden = torch.arange(64) % 7 == 3
+    fill = enc(torch.where(hidden, tokens["mask"], x)[None])[0][0, :, :30].argmax(-1)
+    assert pieces == [(tok.decode([int(fill[i] if hidden[i] else x[i])]), bool(hidden[i])) for i in range(64)]
+
+    t5 = tiny_model(arch="encoder-decoder", vocab_size=192, block_size=64, pos="relative", norm="rmsnorm")
+    pieces = report.greedy_sample(t5, val, tokens, tok)
+    b = span_corrupt(x[None], torch.Generator().manual_seed(0), tokens)  # spans cut out, as in training
+    src, sentinel, out = b["src"], {tokens["sentinel"] + k: k for k in range(tokens["n_sentinel"])}, [tokens["start"]]
+    for _ in range(b["targets"].size(1)):  # as long as the training target: spans, sentinels, the last one
+        out.append(t5(torch.tensor([out]), src=src)[0][0, -1].argmax().item())
+    spans, k = {}, None  # span k: what the decoder wrote after sentinel k
+    for t in out[1:]:
+        k = sentinel.get(t, k)
+        if t not in sentinel and k is not None:
+            spans.setdefault(k, []).append(t)
+    text = lambda ids: tok.decode([i for i in ids if i < 30])  # noqa: E731
+    assert pieces == [(text(spans.get(sentinel[t], [])), True) if t in sentinel else (text([t]), False)
+                      for t in src[0].tolist()]
+    assert 1 <= sum(ours for _, ours in pieces) < len(pieces) < 64  # spans of the text became one blank each
+
+
+def read_wandb(path):
+    """The records of a wandb offline run file: LevelDB's log format (32 KiB blocks of chunks, each
+    a 7-byte header: crc32, length, type) after a 7-byte file header, each record a protobuf."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    f, pos, chunk, records = open(path, "rb").read(), 7, b"", []
+    while pos + 7 <= len(f):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", f[pos : pos + 7])
+        chunk, pos = chunk + f[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):  # a whole record, or its last chunk
+            records.append(pb.Record.FromString(chunk))
+            chunk = b""
+    return records
+
+
+def test_wandb_offline_gets_the_same_numbers(workdir, run, tiny_args):
+    """The real wandb package, offline (WANDB_MODE=offline: nothing leaves the machine)."""
+    pytest.importorskip("wandb")
+    d, _ = workdir
+    code, out, err = run("train.py", *settings("out-w", 3, "--wandb_log=True", "--wandb_project=proj",
+                                               "--wandb_run_name=tiny", *tiny_args), cwd=d,
+                         env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HOME": str(d)})
+    assert code == 0, err
+    records = read_wandb(glob.glob(str(d / "out-w" / "wandb" / "offline-run-*" / "run-*.wandb"))[0])
+    run_info = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert (run_info.project, run_info.display_name) == ("proj", "tiny")
+    config = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in run_info.config.update}
+    assert config["max_iters"] == 3 and config["model"]["n_embd"] == 32
+    history = {}  # wandb's rows by step; a log line and an evaluation of the same iteration share one
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            history.setdefault(r.history.step.num, {}).update(row)
+    metrics = report.read_metrics(d / "out-w" / "metrics.jsonl")
+    assert sorted(history) == sorted({r["iter"] for r in metrics}) == [0, 1, 2, 3]
+    for r in metrics:  # (an evaluation's elapsed replaces its iteration's log line's in their shared row)
+        assert {k: history[r["iter"]][k] for k in r if k not in ("iter", "elapsed")} == \
+            {k: v for k, v in r.items() if k not in ("iter", "elapsed")}
+
+
+def test_missing_wandb_is_one_line(workdir, refusal, tiny_args, monkeypatch, files_under):
+    d, _ = workdir
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails, as where it is not installed
+    before = files_under(d)
+    refusal(train.main, settings("out-nw", 3, "--wandb_log=True", *tiny_args), "needs the wandb package",
+            "pip install wandb", cwd=d)
+    assert files_under(d) == before and not os.path.exists(d / "out-nw")
+
+
+def test_a_page_it_cannot_write_stops_the_run_after_its_checkpoints(workdir, refusal, tiny_args):
+    d, _ = workdir
+    os.makedirs(d / "out-nopage" / "report.html")  # in the way, as a full disk would be
+    refusal(train.main, settings("out-nopage", 3, *tiny_args), "could not write out-nopage/report.html",
+            "--init_from=resume", cwd=d)
+    assert torch.load(d / "out-nopage" / "ckpt.pt", weights_only=True)["iter_num"] == 0  # written before the page
