@@ -17,6 +17,7 @@ import os
 import resource
 import signal
 import sys
+import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
@@ -28,7 +29,6 @@ if __name__ == "__main__":
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import kernels
 from checkpoint import load_model
@@ -36,8 +36,8 @@ from common import UsageError, check_ranges, parse_settings, usage
 from data import batch_rng, get_batch, load_data, new_model_config, special_tokens
 from device import compile_decode, peak_flops, pick_device, pick_dtype, precision, precision_name, timed
 from train import TRAIN_RANGES, TrainConfig, make_optimizer, optimizer_step
-from model import ModelConfig, Transformer, attn_impl, sample, speculative_generate
-from quantize import Int8Linear, quantize_int8
+from model import ModelConfig, Transformer, attn_impl, speculative_generate
+from quantize import Int8Linear, decode_layout, quantize_int8
 from sample import SampleConfig, load_draft
 
 try:
@@ -168,28 +168,38 @@ class DecodeConfig:
     temperature: float = 0.8  # ...0 = greedy; top_k, top_p and the prompt as sample.py's defaults
 
 
-def floor_seconds(model, x_dtype, reps=5):
-    """The time of the model's matrix-vector products alone at batch 1: every weight once, about
-    what one decoded token must cost at least."""
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    dev = layers[0].weight.device
-    xs = {m.in_features: torch.randn(1, m.in_features, device=dev, dtype=x_dtype) for m in layers}
-    products = lambda: [F.linear(xs[m.in_features], m.weight.to(x_dtype)) for m in layers]  # noqa: E731
-    return min(timed(products, dev)[1] for _ in range(reps))
+def read_rate(device, gib=1, reps=5):
+    """Bytes per second that device's memory is read at: a sum over `gib` GiB, the best of reps."""
+    x = torch.ones(gib * 2**28, device=device)
+    return x.numel() * 4 / min(timed(x.sum, device)[1] for _ in range(reps))
 
 
-def no_cache_generate(model, idx, n):
-    """nanoGPT's generate: every step recomputes the whole (cropped) sequence; sampling included."""
-    for _ in range(n):
-        logits = model(idx[:, -model.config.block_size:])[0][:, -1]
-        idx = torch.cat((idx, sample(logits, 1.0, 200)), dim=1)
-    return idx
+def bytes_per_token(model):
+    """What decoding one token reads at batch 1: every weight of the Linear layers (the lm_head
+    included, tied or not) and of the norms, once (an embedding's one row is left out)."""
+    kinds = (torch.nn.Linear, Int8Linear, torch.nn.LayerNorm, torch.nn.RMSNorm)
+    return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, kinds)
+               for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+
+
+def hf_twin(model, device, dtype):
+    """transformers' own model of model's weights, copied across through save_pretrained; None
+    without transformers (a test requirement)."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    import hf
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(model, d)
+        return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
 
 
 def decoding(argv):
-    """Tokens/s decoding a GPT-2-124M-shaped model with random weights at batch 1, and what int8
-    weights cost a trained model in out_dir. With draft_dir: tokens/s of out_dir's model alone and
-    with speculative decoding, as sample.py decodes, and the ratio."""
+    """Tokens/s decoding a GPT-2-124M-shaped model with random weights at batch 1, greedy, against
+    transformers' generate on the same weights, and each as a fraction of the memory bound; what
+    int8 weights cost a trained model in out_dir. With draft_dir: tokens/s of out_dir's model alone
+    and with speculative decoding, as sample.py decodes, and the ratio."""
     cfg = DecodeConfig(**parse_settings(argv, DecodeConfig)[0])
     check_ranges(cfg, dict(draft_k="[1, inf)", max_new_tokens="[1, inf)", temperature="[0, inf)"))
     device = pick_device(cfg.device)
@@ -205,48 +215,51 @@ def decoding(argv):
     return 0
 
 
-def decode_speed(config, device, dtype, compile=False, news=(64, 256), prompt=16):
-    """The KV cache, no cache, int8 weights and the matrix-vector floor, all measured here and now."""
+def decode_speed(config, device, dtype, compile=False, new=256, prompt=16, rounds=3):
+    """nanoformer's KV cache against transformers' generate on the same weights, and int8 weights
+    (and the compiled step), all greedy from one prompt: each at its best of `rounds`, the decoders
+    taking turns in every round."""
     torch.manual_seed(0)
     weights, autocast = precision(dtype, device)  # as sample.py samples
-    model = Transformer(config).to(device).eval()
-    # int8 from the fp32 weights, as sample.py does; before compiling: a copy would keep the original's step
-    int8 = quantize_int8(copy.deepcopy(model)).to(weights)
-    model.to(weights)
-    if compile:  # each cache size is compiled in the warm-up, not in the timings
-        compile_decode(model, device)
-        compile_decode(int8, device)
+    model = Transformer(config).eval()
+    int8 = quantize_int8(copy.deepcopy(model)).to(device, weights)  # from the fp32 weights, as sample.py does
+    twin = hf_twin(model, device, weights)
+    model = model.to(device, weights)
+    decoders = {"nanoformer": decode_layout(model) if device.type == "cpu" else model, "nanoformer, int8": int8}
+    if compile:
+        decoders["nanoformer, compiled step"] = compiled = copy.deepcopy(model)
+        compile_decode(compiled, device)
     idx = torch.randint(0, config.vocab_size, (1, prompt), device=device)
-    floor = floor_seconds(model, dtype)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"decoding at batch 1: {n_params / 1e6:.1f}M parameters ({config.n_layer} layers, width "
-          f"{config.n_embd}), {precision_name(weights, dtype)} on {device}, {prompt}-token prompt"
-          f"{', compiled decode step' if compile else ''}")
-    print(f"floor (every weight's product once): {floor * 1e3:.1f} ms/token = {1 / floor:.1f} tokens/s")
-    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    runs = {name: (lambda m=m: m.generate(idx, new, temperature=0)) for name, m in decoders.items()}
+    if twin is not None:  # min_new_tokens: no early stop at an end-of-text token
+        runs = {"transformers": lambda: twin.generate(idx, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                                      pad_token_id=0), **runs}
+    rate, times = read_rate(device), {name: [] for name in runs}
+    with torch.no_grad(), autocast:
+        outputs = {name: run() for name, run in runs.items()}  # warm up (and compile) outside the timings
+        for _ in range(rounds):
+            for name, run in runs.items():
+                times[name].append(timed(run, device)[1])
+    print(f"decoding at batch 1: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
+          f"({config.n_layer} layers, width {config.n_embd}, random weights), {precision_name(weights, dtype)} on "
+          f"{device}; a {prompt}-token prompt, {new} new tokens, greedy; best of {rounds}")
+    print(f"memory reads {rate / 1e9:.1f} GB/s (a sum over 1 GiB): the bound is a token's bytes over that rate")
+    if twin is not None:
+        same = all(torch.equal(outputs["transformers"], out) for name, out in outputs.items() if "int8" not in name)
+        print(f"transformers {sys.modules['transformers'].__version__}: the same weights, "
+              f"{'the same' if same else 'OTHER'} tokens")
+    print(f"{'decoder':<26} | {'tokens/s':>8} | {'vs transformers':>15} | {'bytes/token':>11} | {'of the bound':>12}")
+    for name, ts in times.items():
+        tps, read = new / min(ts), bytes_per_token(int8 if "int8" in name else model)
+        ratio = f"{tps * min(times['transformers']) / new:.2f}x" if twin is not None else "-"
+        print(f"{name:<26} | {tps:>8.1f} | {ratio:>15} | {read / 1e6:>8.1f} MB | {tps * read / rate:>12.0%}")
     int8_bytes = sum(m.weight.numel() + m.scale.numel() * m.scale.element_size() for m in int8.modules()
                      if isinstance(m, Int8Linear))
-    print(f"Linear weights: {sum(w.numel() * w.element_size() for w in linear) / 2**20:.1f} MiB, "
-          f"int8: {int8_bytes / 2**20:.1f} MiB")
+    linear = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
     with torch.no_grad(), autocast:
         full, small = model(idx)[0].float(), int8(idx)[0].float()
-    print(f"int8 logits: max |difference| / max |logit| = {((full - small).abs().max() / full.abs().max()).item():.4f}")
-    print(f"{'new tokens':>10} | {'KV cache':>14} | {'no cache':>14} | {'int8 + cache':>14} | "
-          f"{'cache / no cache':>16} | {'ms/token / floor':>16}")
-    with torch.no_grad(), autocast:
-        for n in news if compile else (8,):  # warm up (and compile) outside the timings
-            model.generate(idx, n)
-            int8.generate(idx, n)
-        no_cache_generate(model, idx, 2)
-        for n in news:
-            rates = {}
-            for name, run in (("cache", lambda: model.generate(idx, n, top_k=200)),
-                              ("no cache", lambda: no_cache_generate(model, idx, n)),
-                              ("int8", lambda: int8.generate(idx, n, top_k=200))):
-                rates[name] = n / timed(run, device)[1]
-            print(f"{n:>10} | {rates['cache']:>7.1f} tok/s | {rates['no cache']:>7.1f} tok/s | "
-                  f"{rates['int8']:>7.1f} tok/s | {rates['cache'] / rates['no cache']:>15.1f}x | "
-                  f"{1 / rates['cache'] / floor:>15.2f}x")
+    print(f"Linear weights: {linear / 2**20:.1f} MiB, int8: {int8_bytes / 2**20:.1f} MiB; int8 logits: max "
+          f"|difference| / max |logit| = {((full - small).abs().max() / full.abs().max()).item():.4f}")
 
 
 def speculative_speed(cfg, device, dtype, rounds=3):

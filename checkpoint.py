@@ -14,7 +14,7 @@ import torch
 
 from common import UsageError
 from model import ModelConfig, Transformer
-from quantize import quantize_int8
+from quantize import decode_layout, quantize_int8
 from tokenizer import Tokenizer
 
 
@@ -116,7 +116,8 @@ def for_sampling(model, ckpt, device, dtype=torch.float32, quantize=""):
         model.config.attn_impl = "auto"  # the same attention, through torch's SDPA here
     if quantize == "int8":
         quantize_int8(model)  # from the fp32 weights: one rounding, not two
-    return model.to(device=device, dtype=dtype).eval(), Tokenizer(ckpt["meta"])
+    model = model.to(device=device, dtype=dtype).eval()
+    return decode_layout(model) if device.type == "cpu" else model, Tokenizer(ckpt["meta"])
 
 
 def load_model(out_dir, device, dtype=torch.float32, quantize="", which="best"):

@@ -172,16 +172,17 @@ def relative_bucket(offset, bidirectional, num_buckets, max_distance):
 # Attention
 
 class Mask(NamedTuple):
-    """Which keys each query may see, the queries being the last Tq of the Tk key positions, and the
-    attention path that takes it, in that path's form (Stack.mask picks both once per forward). The
-    Triton kernel takes the pieces; SDPA and the math path one dense additive `bias` (B|1, nh|1,
-    Tq, Tk): the position bias where a query may look, -inf where not (see Stack.attn_bias)."""
+    """Which keys each query may see, and the attention path that takes it, in that path's form
+    (Stack.mask picks both once per forward). The Triton kernel takes the pieces, the keys being the
+    queries themselves (Tq = Tk, in order); SDPA and the math path one dense additive `bias` (B|1,
+    nh|1, Tq, Tk): the position bias where a query may look, -inf where not (see Stack.attn_bias)."""
     causal: bool = False
     window: int = 0  # see only keys fewer than `window` positions away
     alibi: torch.Tensor | None = None  # (nh,) ALiBi slopes
     valid: torch.Tensor | None = None  # (B, Tk) False for padding keys
     bias: torch.Tensor | None = None  # the dense form; None when nothing or `causal` alone applies
     impl: str = "sdpa"  # "triton" (takes the pieces), "sdpa" or "math" (take causal and bias)
+    slots: torch.Tensor | None = None  # (Tq,) while generating: the KV cache slots the queries' keys go to
 
 
 # "auto" takes the Triton kernel only where it was measured faster than SDPA (docs/kernels.md):
@@ -213,11 +214,6 @@ def autocast_dtype(device, default=None):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else default
 
 
-def distance(Tq, Tk, device):
-    """(Tq, Tk) query position - key position, the queries being the last Tq of the Tk positions."""
-    return torch.arange(Tk - Tq, Tk, device=device)[:, None] - torch.arange(Tk, device=device)
-
-
 def attention(q, k, v, mask, dropout=0.0):
     """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs),
     on the path mask.impl. Each group of nh / n_kv_head query heads shares one key/value head
@@ -228,12 +224,8 @@ def attention(q, k, v, mask, dropout=0.0):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return kernels.flash_attention(q, k, v, causal=mask.causal, window=mask.window,
                                        alibi_slopes=mask.alibi, key_padding_mask=mask.valid), None
-    Tq, Tk = q.size(-2), k.size(-2)
     bias = None if mask.bias is None else mask.bias.to(q.dtype)
-    if mask.causal and bias is None and Tq != Tk:  # SDPA's is_causal would align the queries with the first keys
-        future = distance(Tq, Tk, q.device) < 0
-        bias = torch.zeros(Tq, Tk, dtype=q.dtype, device=q.device).masked_fill(future, float("-inf"))
-    causal = mask.causal and bias is None  # Tq == Tk here
+    causal = mask.causal and bias is None  # Tq == Tk: a KV cache always comes with a bias
     if mask.impl == "sdpa":
         # fused kernels (flash attention when causal and unbiased) never build the Tq x Tk matrix
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
@@ -250,15 +242,23 @@ def attention(q, k, v, mask, dropout=0.0):
     return F.dropout(att, dropout) @ v, att
 
 
+def reach(config):
+    """How far back a query looks while generating: its window, never past block_size, the span
+    trained on. Past it a model with relative positions is a sliding-window model (absolute ones
+    recompute their context, see generate_tokens)."""
+    return min(config.window or config.block_size, config.block_size)
+
+
 def padding_bias(valid):
     """(B, S) key validity -> (B, 1, 1, S) additive bias: 0 for real keys, -inf for padding."""
     return torch.zeros(valid.shape, device=valid.device).masked_fill(~valid, float("-inf"))[:, None, None, :]
 
 
 class KVCache(nn.Module):
-    """Keys and values of the last `size` positions of one layer, oldest first. Each step appends
-    the new ones and drops the oldest, so the buffers keep their shape (torch.compile replays one
-    graph) and a sliding-window cache never grows past the window."""
+    """Keys and values of one layer in `size` slots, written in place (gpt-fast's static cache) as a
+    ring: the token at position p (of a batch's longest row) goes to slot p % size, overwriting the
+    oldest. The buffers keep their shape, so torch.compile replays one graph, and a sliding-window
+    cache never grows past its size. Stack.cache_pos says which position each slot holds."""
 
     def __init__(self, batch_size, n_kv_head, size, head_size, dtype, device):
         super().__init__()
@@ -266,12 +266,11 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def forward(self, k, v):
-        # (B, n_kv_head, T, hs) new -> (B, n_kv_head, size + T, hs): everything the queries may see
-        k, v = torch.cat((self.k, k.to(self.k.dtype)), 2), torch.cat((self.v, v.to(self.v.dtype)), 2)
-        self.k.copy_(k[:, :, -self.k.size(2):])
-        self.v.copy_(v[:, :, -self.v.size(2):])
-        return k, v
+    def forward(self, k, v, slots):
+        # new k, v (B, n_kv_head, T, hs) written at slots (T,) -> the cache (B, n_kv_head, size, hs)
+        self.k.index_copy_(2, slots, k.to(self.k.dtype))
+        self.v.index_copy_(2, slots, v.to(self.v.dtype))
+        return self.k, self.v
 
 
 class Attention(nn.Module):
@@ -310,7 +309,7 @@ class Attention(nn.Module):
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if self.kv_cache is not None:
-                k, v = self.kv_cache(k, v)
+                k, v = self.kv_cache(k, v, mask.slots)
         dropout = c.dropout if self.training else 0.0
         y, att = attention(q, k, v, mask, dropout)  # on the path the stack chose for this mask
         if self.weights_hook is not None and att is not None:
@@ -427,7 +426,7 @@ class Stack(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config, cross) for _ in range(config.n_layer))
         self.ln_f = make_norm(config)
-        self.cache_valid = None  # (B, S) while generating: which cached positions hold real tokens
+        self.cache_pos = None  # (B, size) while generating: the position each cache slot holds, -1: none
 
     def forward(self, x, pos, valid=None, memory=None, memory_valid=None):
         # x (B, T, C): token embeddings at positions pos (B|1, T); valid (B, T): False for padding
@@ -439,15 +438,17 @@ class Stack(nn.Module):
         if not c.norm_first:
             x = self.ln_f(x)  # post-norm ends each block with a norm; BERT normalises the input instead
         x = self.drop(x)
-        if self.cache_valid is not None:  # keys are the cached positions followed by the new ones
-            new = valid if valid is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-            valid = torch.cat((self.cache_valid, new), dim=1)
-            self.cache_valid.copy_(valid[:, -self.cache_valid.size(1):])
-        # generating, no query looks further back than block_size, the span trained on: past it a model
-        # with relative positions is a sliding-window model (absolute ones recompute, see generate_tokens)
-        window = c.window if self.cache_valid is None else min(c.window or c.block_size, c.block_size)
         T = x.size(1)
-        mask = self.mask(T, window, valid, x.device)
+        keys = pos if valid is None else torch.where(valid, pos, -1)  # the keys' positions; padding: -1
+        own, slots = torch.arange(T, device=x.device), None  # the index of each query's own key
+        if self.cache_pos is not None:  # generating: the keys go into the cache's ring, where the
+            if T > self.cache_pos.size(1):  # queries see every slot, by the position it holds
+                raise ValueError(f"{T} tokens overflow a KV cache of {self.cache_pos.size(1)} slots: use prefill")
+            slots = own = pos.amax(0) % self.cache_pos.size(1)
+            self.cache_pos.index_copy_(1, slots, keys.expand(x.size(0), T))
+            keys = self.cache_pos
+        window = c.window if slots is None else reach(c)
+        mask = self.mask(pos, keys, own, window, valid, slots)
         memory_mask = self.memory_mask(T, memory_valid, x.device) if self.cross else None
         cos_sin = rope(pos, c.head_size, c.rope_theta, c.rope_scaling) if c.pos == "rope" else None
         for block in self.h:
@@ -458,15 +459,17 @@ class Stack(nn.Module):
         """What each query may see, in pieces: the form the kernel takes, and what attn_impl reads."""
         return Mask(self.causal, window, self.slopes if self.config.pos == "alibi" else None, valid)
 
-    def mask(self, Tq, window, valid, device):
-        """The self-attention mask of Tq queries (valid (B, Tk): False for padding keys) with its
-        attention path, chosen once here for every layer, and built once in that path's form."""
+    def mask(self, pos, keys, own, window, valid, slots):
+        """The self-attention mask of the queries at pos (B|1, Tq) over the keys at keys (B|1, Tk)
+        (valid (B, Tq): False for padding; slots: where a KV cache keeps the keys) with its attention
+        path, chosen once here for every layer, and built once in that path's form."""
         pieces = self.pieces(window, valid)
-        impl = attn_impl(self.config, device, self.training, pieces, Tq)
-        if impl == "triton":
+        impl = attn_impl(self.config, pos.device, self.training, pieces, pos.size(1))
+        if impl == "triton" and slots is None:  # the kernel reads keys in order, not from a ring
             return pieces._replace(impl=impl)
-        Tk = Tq if valid is None else valid.size(1)
-        return Mask(self.causal, bias=self.attn_bias(Tq, Tk, valid, window, device), impl=impl)
+        bias = self.attn_bias(pos, keys, own, window) if slots is not None or valid is not None or window or \
+            self.config.pos in ("alibi", "relative") else None
+        return Mask(self.causal, bias=bias, impl="sdpa" if impl == "triton" else impl, slots=slots)
 
     def memory_mask(self, Tq, valid, device):
         """The same for cross-attention to the encoder's output, whose padding is valid (B, S)."""
@@ -475,25 +478,22 @@ class Stack(nn.Module):
             return Mask(valid=valid, impl=impl)
         return Mask(bias=None if valid is None else padding_bias(valid), impl=impl)
 
-    def attn_bias(self, Tq, Tk, valid, window, dev):
-        """What each query may see, as Mask's dense `bias` (B|1, nh|1, Tq, Tk); None when plain
-        causal (or full) attention says it all (see attention)."""
+    def attn_bias(self, pos, keys, own, window):
+        """What each query at pos (B|1, Tq) may see of the keys at keys (B|1, Tk), as Mask's dense
+        `bias` (B|1, nh|1, Tq, Tk). A key at -1 (padding, an empty cache slot) is seen only by its
+        own query (own (Tq,): the index of each query's key), so that no row is empty."""
         c = self.config
-        if valid is None and not window and c.pos not in ("alibi", "relative"):
-            return None
-        dist = distance(Tq, Tk, dev)
-        see = (dist >= 0) if self.causal else torch.ones_like(dist, dtype=torch.bool)
+        dist = pos[:, :, None] - keys[:, None, :]  # (B|1, Tq, Tk) query position - key position
+        see = (keys >= 0)[:, None, :] & ((dist >= 0) if self.causal else True)
         if window:
             see = see & (dist.abs() < window)
-        see = see[None]  # (1, Tq, Tk)
-        if valid is not None:  # padding is never seen, except by itself, so no row is empty
-            see = (see & valid[:, None, :]) | (dist == 0)  # (B, Tq, Tk)
+        see = see | (torch.arange(keys.size(1), device=keys.device) == own[:, None])
         bias = 0.0
         if c.pos == "alibi":
-            bias = -self.slopes[:, None, None] * dist.abs()  # (nh, Tq, Tk)
+            bias = -self.slopes[:, None, None] * dist.abs()[:, None]  # (B|1, nh, Tq, Tk)
         elif c.pos == "relative":
             bucket = relative_bucket(-dist, not self.causal, c.rel_buckets, c.rel_max_distance)
-            bias = self.rel(bucket).permute(2, 0, 1)  # (nh, Tq, Tk)
+            bias = self.rel(bucket).permute(0, 3, 1, 2)  # (B|1, nh, Tq, Tk)
         return torch.where(see[:, None], bias, float("-inf"))
 
 
@@ -586,8 +586,8 @@ class Transformer(nn.Module):
     # Generation
 
     def setup_kv_cache(self, batch_size, size, memory=None, dtype=None):
-        """Give every decoder self-attention a cache of `size` positions (n_kv_head heads each), and
-        every cross-attention the keys and values of the encoder's output `memory`, computed once."""
+        """Give every decoder self-attention an empty cache of `size` slots (n_kv_head heads each),
+        and every cross-attention the keys and values of the encoder's output `memory`, computed once."""
         dev = self.wte.weight.device
         dtype = dtype or self.wte.weight.dtype
         c = self.config
@@ -595,26 +595,26 @@ class Transformer(nn.Module):
             block.attn.kv_cache = KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev)
             if memory is not None:
                 block.cross_attn.memory_kv = block.cross_attn.kv(memory)
-        self.decoder.cache_valid = torch.zeros(batch_size, size, dtype=torch.bool, device=dev)
+        self.decoder.cache_pos = torch.full((batch_size, size), -1, device=dev)
 
     def clear_kv_cache(self):
         for attn in (m for m in self.decoder.modules() if isinstance(m, Attention)):
             attn.kv_cache = attn.memory_kv = None
-        self.decoder.cache_valid = None
+        self.decoder.cache_pos = None
 
     def rollback_kv_cache(self, n):
-        """Forget the newest n positions of every self-attention cache (draft tokens that the
-        target rejected): the rest move back up to the newest end, and n empty slots open."""
-        if n:
-            for buffer in (b for block in self.decoder.h for b in block.attn.kv_cache.buffers()):  # k, v
-                buffer.copy_(buffer.roll(n, dims=2))
-            valid = self.decoder.cache_valid
-            valid.copy_(valid.roll(n, dims=1))
-            valid[:, :n] = False
+        """Forget the newest n positions of the cache (draft tokens that the target rejected): their
+        slots are marked empty, and the next tokens, at the same positions, overwrite them."""
+        pos = self.decoder.cache_pos
+        pos.masked_fill_(pos > pos.amax(dim=1, keepdim=True) - n, -1)
 
-    def cache_size(self, length):
-        """Positions a cache keeps for sequences of `length`: all, or the window, or block_size."""
-        return min(length, self.config.window or length, self.config.block_size)
+    cache_step = 1  # cache sizes are rounded up to a multiple of this; compile_decode makes it 256
+
+    def cache_size(self, prompt, new):
+        """Slots of a cache for a prompt and new tokens: every position, or the last that a query
+        sees (reach), with room for a prompt longer than that to go in by pieces (see prefill)."""
+        size = min(prompt + new, reach(self.config)) + (reach(self.config) if prompt > reach(self.config) else 0)
+        return self.cache_step * math.ceil(size / self.cache_step)
 
     @property
     def absolute_positions(self):
@@ -623,14 +623,16 @@ class Transformer(nn.Module):
         return self.config.pos in ("learned", "sinusoidal")
 
     def prefill(self, idx, input_pos, mask=None, src_mask=None):
-        """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), with idx
-        added to the KV cache. The cache holds every key a query may see, so a longer prompt goes
-        in by pieces of the cache's size: attention's memory is O(size^2), not O(T^2)."""
-        n = self.decoder.h[0].attn.kv_cache.k.size(2)
-        for s in range(0, idx.size(1), n):
+        """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), idx going
+        into a fresh KV cache. A prompt longer than the cache goes in by pieces: the first fills the
+        ring, each next one overwrites only keys that none of its queries sees. Attention's memory is
+        then O(size^2), not O(T^2)."""
+        s, n = 0, self.decoder.cache_pos.size(1)  # an empty ring takes as many tokens as it has slots
+        while s < idx.size(1):
             piece = slice(s, s + n)
             logits = self(idx[:, piece], mask=None if mask is None else mask[:, piece], src_mask=src_mask,
                           input_pos=input_pos[..., piece])[0]
+            s, n = s + n, max(1, self.decoder.cache_pos.size(1) - reach(self.config) + 1)
         return logits[:, -1]
 
     def decode(self, idx, input_pos, src_mask=None):
@@ -660,12 +662,10 @@ class Transformer(nn.Module):
             raise ValueError("an encoder-decoder generates from src: generate(idx, n, src=src)")
         dtype = autocast_dtype(idx.device)  # the cache in autocast's dtype, not the weights'
         memory = None if src is None else self.encode(src, src_mask)
-        # rounded up, so that prompts of other lengths reuse one compiled decode step: the unused
-        # (oldest) slots are marked empty; a window or a learned table still caps the size
-        size = self.cache_size(256 * math.ceil((idx.size(1) + max_new_tokens) / 256))
         # the model sees at most block_size tokens: with absolute positions the last block_size of
         # the prompt; with relative ones all of it, each query through a window of block_size
         crop = slice(-c.block_size, None) if self.absolute_positions else slice(None)
+        size = self.cache_size(idx[:, crop].size(1), max_new_tokens)
 
         def prefill(idx, mask):  # the prompt (cropped) into a fresh cache
             tokens, valid = idx[:, crop], None if mask is None else mask[:, crop]
@@ -765,7 +765,7 @@ def speculative_generate(target, draft, idx, max_new_tokens, k=4, temperature=1.
     end = min([m.config.block_size - k for m in (target, draft) if m.absolute_positions] + [total])
     accepted = proposed = 0
     for m in (target, draft):  # room for the k + 1 positions that a rollback may take back
-        m.setup_kv_cache(1, m.cache_size(len(out) + max_new_tokens) + k + 1, dtype=autocast_dtype(idx.device))
+        m.setup_kv_cache(1, m.cache_size(len(out), max_new_tokens) + k + 1, dtype=autocast_dtype(idx.device))
     try:
         # invariant: the target has seen all of out but its last token; the draft all but `pending`
         if 1 < len(out) < end:

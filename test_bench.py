@@ -1,5 +1,5 @@
-"""bench.py: the decoding benchmarks (cache, no cache, int8, the floor; speculative decoding against
-the target alone), the attention a training batch takes, and its command line in the style of the
+"""bench.py: the decoding benchmarks (against transformers on the same weights, int8, the compiled
+step, the memory bound; speculative decoding against the target alone), the attention a training batch takes, and its command line in the style of the
 other scripts. (bench.py train against nanoGPT's recipe: test_train.py.)"""
 
 import io
@@ -15,7 +15,7 @@ import kernels
 import train
 from common import UsageError
 from model import ModelConfig
-from quantize import Int8Linear
+from quantize import quantize_int8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -37,33 +37,51 @@ def test_bench_sample_times_the_target_alone_and_speculative_decoding_in_one_run
     assert "k=3; 20 new tokens" in out
 
 
-def test_bench_compiled_times_each_models_own_decode_step(monkeypatch):
-    # torch.compile wraps decode in a closure over the model: a copy made after compiling would
-    # decode with the original (a stand-in closure, so that the test needs no compiler)
-    decoded = set()
+def test_bench_compiled_row_decodes_through_its_own_compiled_step(monkeypatch):
+    # torch.compile wraps decode in a closure over the model: the compiled row's copy must be made
+    # before compiling, or it would decode with the original (a stand-in closure: no compiler needed)
+    stepped = []
     def closure_compile(fn, **kw):
         def step(*args, **kwargs):
-            decoded.add(any(isinstance(m, Int8Linear) for m in fn.__self__.modules()))
+            stepped.append(fn.__self__)
             return fn(*args, **kwargs)
         return step
     monkeypatch.setattr(torch, "compile", closure_compile)
     config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
-    with redirect_stdout(io.StringIO()):
-        bench.decode_speed(config, torch.device("cpu"), torch.float32, compile=True, news=(4, 8), prompt=3)
-    assert decoded == {False, True}  # the full-precision model and the int8 one, each its own
+    with redirect_stdout(io.StringIO()) as out:
+        bench.decode_speed(config, torch.device("cpu"), torch.float32, compile=True, new=8, prompt=3, rounds=1)
+    assert len(stepped) == 7 * 2 and len(set(map(id, stepped))) == 1  # 7 steps after the prefill, warm-up and round
+    assert "nanoformer, compiled step" in out.getvalue() and stepped[0].cache_step == 256
 
 
-def test_bench_prints_cache_no_cache_int8_and_floor():
+def table(text):
+    """The rows of decode_speed's table: {decoder: (tokens/s, vs transformers, MB/token, of the bound)}."""
+    rows = re.findall(r"^(\w[\w ,]*?) +\| +([\d.]+) \| +([\d.]+)x \| +([\d.]+) MB \| +(\d+)%$", text, re.M)
+    return {name: tuple(map(float, numbers)) for name, *numbers in rows}
+
+
+def test_bench_sample_decodes_the_same_tokens_as_transformers_from_the_same_weights(capsys):
+    pytest.importorskip("transformers")
     config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
-    out = io.StringIO()
-    with redirect_stdout(out):
-        bench.decode_speed(config, torch.device("cpu"), torch.float32, news=(4, 8), prompt=3)
-    text = out.getvalue()
-    assert "floor (every weight's product once):" in text
+    bench.decode_speed(config, torch.device("cpu"), torch.float32, new=8, prompt=3, rounds=2)
+    text = capsys.readouterr().out
+    assert "the same weights, the same tokens" in text
+    rows = table(text)
+    assert set(rows) == {"transformers", "nanoformer", "nanoformer, int8"} and rows["transformers"][1] == 1.0
+    rate = float(re.search(r"memory reads ([\d.]+) GB/s", text)[1]) * 1e9
+    for tps, vs, mb, bound in rows.values():
+        assert vs == pytest.approx(tps / rows["transformers"][0], abs=0.006)
+        assert bound == pytest.approx(100 * tps * mb * 1e6 / rate, abs=max(1, 0.02 * bound))
     diff = float(re.search(r"int8 logits: max \|difference\| / max \|logit\| = ([\d.]+)", text).group(1))
     assert 0 < diff < 0.05  # int8 was applied, and rounds each weight by at most half a step
-    rows = [line for line in text.splitlines() if re.match(r"\s+\d+ \|", line)]
-    assert [int(r.split("|")[0]) for r in rows] == [4, 8] and all(r.count("tok/s") == 3 for r in rows)
+
+
+def test_a_token_reads_every_linear_and_norm_weight_once(tiny_model):
+    model = tiny_model()  # tied: the lm_head is the embedding table, read whole once
+    c, C = model.config, model.config.n_embd
+    per_block = (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C) + 2 * 2 * C  # + ln_1, ln_2
+    assert bench.bytes_per_token(model) == 4 * (c.n_layer * per_block + 2 * C + c.vocab_size * C)
+    assert bench.bytes_per_token(quantize_int8(model)) < bench.bytes_per_token(tiny_model()) / 3
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,9 +52,8 @@ def greedy_with_cache(model, idx, steps, src=None):
     memory = None
     if src is not None:
         memory = model.encoder(model.wte(src), torch.arange(src.size(1))[None])
-    size = model.config.window or idx.size(1) + steps
-    model.setup_kv_cache(idx.size(0), size, memory)
-    logits = model(idx, input_pos=torch.arange(idx.size(1)))[0][:, -1:]
+    model.setup_kv_cache(idx.size(0), model.cache_size(idx.size(1), steps), memory)
+    logits = model.prefill(idx, torch.arange(idx.size(1)))[:, None]
     for i in range(steps - 1):
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         idx = torch.cat((idx, nxt), dim=1)
@@ -105,10 +104,11 @@ def test_cached_decoding_equals_recomputing_everything(kw, tiny_model):
 @pytest.mark.parametrize("T", [5, 50], ids=["prompt5", "prompt50"])  # 50: longer than block_size, 6 times over
 @pytest.mark.parametrize("pos", POSITIONS)
 def test_generate_past_block_size_sees_block_size_tokens_as_the_reference_does(pos, T, monkeypatch, tiny_model):
-    """And a prompt longer than the cache goes in by pieces of the cache's size: with relative
-    positions too, which read the whole prompt, each query through a window of block_size, so that
-    attention over a prompt of T tokens takes O(block_size^2) memory, not O(T^2). (Absolute positions
-    crop the prompt to its last block_size tokens instead.)"""
+    """And a prompt longer than the cache goes in by pieces: with relative positions too, which
+    read the whole prompt, each query through a window of block_size. The cache's ring then has
+    2 x block_size slots: the first piece fills it, each next one overwrites only keys that none of
+    its queries sees, so attention over a prompt of T tokens takes O(block_size^2) memory, not
+    O(T^2). (Absolute positions crop the prompt to its last block_size tokens instead.)"""
     model = tiny_model(pos=pos, block_size=8)
     idx = prompt(T, B=2)
     ref_tokens, ref_logits = greedy_without_cache(model, idx, 14)
@@ -121,8 +121,9 @@ def test_generate_past_block_size_sees_block_size_tokens_as_the_reference_does(p
     torch.testing.assert_close(torch.stack(seen, 1), ref_logits, rtol=0, atol=1e-5)
     if T == 50 and not model.absolute_positions:
         layers = model.config.n_layer
-        assert shapes[:7 * layers:layers] == [(8, 16)] * 6 + [(2, 10)]  # 50 = 6 pieces of 8 and 2, then decoding
-        assert max(shapes) == (8, 16)
+        # 50 = 16 + 3 x 9 + 7 (a piece of n overwrites the n oldest of 16 keys: 9 = 16 - 8 + 1), then decoding
+        assert shapes[:6 * layers:layers] == [(16, 16)] + [(9, 16)] * 3 + [(7, 16), (1, 16)]
+        assert max(shapes) == (16, 16)  # never more than the ring
 
 
 def test_windowed_cache_holds_at_most_window_positions(tiny_model):
@@ -131,6 +132,30 @@ def test_windowed_cache_holds_at_most_window_positions(tiny_model):
     model.decoder.h[0].attn.register_forward_hook(lambda m, i, o: sizes.append(m.kv_cache.k.size(2)))
     model.generate(torch.zeros(1, 3, dtype=torch.long), 40, temperature=0)
     assert len(sizes) == 40 and set(sizes) == {4}
+
+
+def test_the_cache_is_a_ring_written_in_place_one_slot_per_token(tiny_model):
+    """A decode step writes its keys and values in place into one slot, position % size, and records
+    the position there; the other slots stay as they were. generate() sizes the cache to the prompt
+    and the new tokens, with no empty slots to attend over (unless compile_decode rounds it up)."""
+    model = tiny_model(pos="rope", window=4)
+    model.setup_kv_cache(1, 4)
+    model.prefill(prompt(3, B=1), torch.arange(3))
+    cache = model.decoder.h[0].attn.kv_cache
+    buffers = cache.k.data_ptr(), cache.v.data_ptr()
+    for p in range(3, 10):
+        k, v = cache.k.clone(), cache.v.clone()
+        model.decode(prompt(1, B=1, seed=p), torch.tensor([[p]]))
+        assert (cache.k.data_ptr(), cache.v.data_ptr()) == buffers
+        for new, old in ((cache.k, k), (cache.v, v)):
+            assert (new != old).any(dim=(0, 1, 3)).nonzero().flatten().tolist() == [p % 4]
+        assert model.decoder.cache_pos[0].tolist() == [p - (p - s) % 4 for s in range(4)]  # the newest q = s mod 4
+    model.clear_kv_cache()
+    for window, T, size in ((0, 5, 12), (4, 3, 4), (4, 5, 8)):  # a prompt past the window: room for its pieces
+        sizes, m = [], tiny_model(pos="rope", window=window)
+        m.decoder.h[0].attn.register_forward_hook(lambda mod, i, o: sizes.append(mod.kv_cache.k.size(2)))
+        m.generate(prompt(T, B=1), 7, temperature=0)
+        assert set(sizes) == {size}
 
 
 def test_encoder_decoder_generation_encodes_the_source_once(tiny_model):

@@ -345,15 +345,16 @@ def test_cached_generation_on_the_kernel_equals_the_math_path(kw, tiny_model):
 
 @needs_triton
 @pytest.mark.parametrize("pos", ["rope", "alibi"])
-def test_past_block_size_the_kernel_slides_the_window_the_math_path_does(pos, tiny_model):
-    # relative positions: a cached model sees the last block_size keys, prompt and output alike
+def test_past_block_size_a_kernel_model_slides_the_window_the_math_path_does(pos, tiny_model):
+    # relative positions: a cached model sees the last block_size keys, prompt and output alike; a
+    # model set to the kernel reads its cache's ring through SDPA's dense bias
     idx = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     logits = []
     for impl in ("triton", "math"):
         model = tiny_model(attn_impl=impl, pos=pos, block_size=8).to(DEVICE)
-        model.setup_kv_cache(2, model.cache_size(20))
+        model.setup_kv_cache(2, model.cache_size(16, 4))
         with torch.no_grad():  # a prefill twice block_size long, then one token at a time
-            out = [model(idx[:, :16], input_pos=torch.arange(16, device=DEVICE))[0]]
+            out = [model.prefill(idx[:, :16], torch.arange(16, device=DEVICE))[:, None]]
             out += [model(idx[:, t : t + 1], input_pos=torch.tensor([t], device=DEVICE))[0] for t in range(16, 20)]
         logits.append(torch.cat(out, dim=1))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)

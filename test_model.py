@@ -131,8 +131,9 @@ def test_math_path_equals_sdpa_and_hands_its_hook_weights_that_sum_to_one(kw, ti
 @pytest.mark.parametrize("impl", ["sdpa", "math", "triton"])
 def test_attention_function_is_the_softmax_formula_with_a_bias_and_with_causal_queries_after_a_cache(impl):
     """With a dense bias (sdpa and math: the kernel takes no dense bias): softmax(q k^T / sqrt(d) +
-    bias) v. Causal, three new queries with grouped heads on seven keys sit at positions 4, 5, 6:
-    query i sees keys 0..4+i (SDPA's own is_causal would let it see 0..i)."""
+    bias) v. Causal, with grouped heads: query i sees keys 0..i; the kernel also takes three new
+    queries on seven keys, at positions 4, 5, 6: query i sees keys 0..4+i (SDPA's is_causal would
+    let it see 0..i, so a KV cache, whose ring is in no order, always comes with a dense bias)."""
     if impl == "triton" and not kernels.available:
         pytest.skip("triton is not installed")
     torch.manual_seed(0)
@@ -141,8 +142,9 @@ def test_attention_function_is_the_softmax_formula_with_a_bias_and_with_causal_q
         bias = torch.randn(2, 4, 5, 7)
         want = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + bias, -1) @ v
         torch.testing.assert_close(attention(q, k, v, Mask(bias=bias, impl=impl))[0], want)
-    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
-    future = torch.ones(3, 7, dtype=torch.bool).triu(5)
+    Tq = 3 if impl == "triton" else 7
+    q, k, v = torch.randn(2, 4, Tq, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    future = torch.ones(Tq, 7, dtype=torch.bool).triu(8 - Tq)
     scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(8)
     want = torch.softmax(scores.masked_fill(future, float("-inf")), -1) @ v.repeat_interleave(2, 1)
     torch.testing.assert_close(attention(q, k, v, Mask(causal=True, impl=impl))[0], want)
@@ -231,13 +233,13 @@ def test_sinusoidal_position_plus_k_is_a_fixed_linear_map_of_position():
 
 @pytest.mark.parametrize("arch", ["encoder", "decoder"])
 def test_alibi_and_relative_biases_are_the_papers_formulas(arch, tiny_model):
-    T, dev = 10, torch.device("cpu")
+    T = 10
     i, j = torch.arange(T)[:, None], torch.arange(T)  # query, key
     visible = torch.ones(T, T, dtype=torch.bool) if arch == "encoder" else j <= i
     for pos in ("alibi", "relative"):
         model = tiny_model(arch=arch, pos=pos)
         stack = model.encoder if arch == "encoder" else model.decoder
-        bias = stack.attn_bias(T, T, None, 0, dev)[0]  # (nh, T, T)
+        bias = stack.attn_bias(j[None], j[None], j, 0)[0]  # queries and keys at 0..T-1 -> (nh, T, T)
         if pos == "alibi":  # -slope_h * |i - j|, in both directions for an encoder
             expected = -torch.tensor(alibi_slopes(4))[:, None, None] * (i - j).abs()
         else:  # T5: a learned scalar per head for the bucket of (key - query)
