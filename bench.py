@@ -35,10 +35,12 @@ from checkpoint import load_model
 from common import UsageError, check_ranges, parse_settings, usage
 from data import batch_rng, get_batch, load_data, new_model_config, special_tokens
 from device import compile_decode, peak_flops, pick_device, pick_dtype, precision, precision_name, timed
-from train import TRAIN_RANGES, TrainConfig, make_optimizer, optimizer_step
-from model import ModelConfig, Transformer, attn_impl, speculative_generate
+from optim import make_optimizer, optimizer_step
+from train import TRAIN_RANGES, TrainConfig
+from model import ModelConfig, Transformer, attn_impl
 from quantize import Int8Linear, decode_layout, quantize_int8
 from sample import SampleConfig, load_draft
+from speculative import speculative_generate
 
 try:
     import triton

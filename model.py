@@ -24,7 +24,7 @@ import kernels
 ARCHS = ("decoder", "encoder", "encoder-decoder")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "relu", "swiglu", "geglu")
+MLPS = ("gelu", "relu", "relu2", "swiglu", "geglu")
 GELUS = ("tanh", "none")
 ATTN_IMPLS = ("auto", "triton", "sdpa", "math")
 
@@ -48,7 +48,7 @@ class ModelConfig:
     norm: str = "layernorm"  # "layernorm" or "rmsnorm"
     norm_first: bool = True  # True: pre-norm (GPT-2, Llama, T5); False: post-norm (Vaswani, BERT)
     norm_eps: float = 1e-5
-    mlp: str = "gelu"  # "gelu", "relu", "swiglu" (Llama) or "geglu" (T5 v1.1)
+    mlp: str = "gelu"  # "gelu", "relu", "relu2" (relu squared: Primer), "swiglu" (Llama) or "geglu" (T5 v1.1)
     gelu_approximate: str = "tanh"  # "tanh" (GPT-2's approximation) or "none" (exact erf GELU, as nanoGPT)
     n_expert: int = 0  # 0 = dense MLP; > 0 = mixture of this many expert MLPs
     expert_top_k: int = 2  # experts each token is routed to
@@ -58,6 +58,9 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True  # the output layer reuses the token embedding matrix
     lm_head_bias: bool = False  # a bias on the output logits (BERT's)
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys (no gain), before RoPE
+    logit_softcap: float = 0.0  # logits -> c * tanh(logits / c), bounded by c (Gemma 2; nanochat 15); 0 = off
+    zero_init: bool = False  # output projections, and an untied lm_head, start at zero (modded-nanogpt)
     attn_impl: str = "auto"  # "auto" (fastest here), "triton" (kernels.py), "sdpa" (torch's), "math"
 
     def __post_init__(self):
@@ -93,6 +96,8 @@ class ModelConfig:
                              "(and n_expert must be 0 for a dense MLP, or positive)")
         if self.window < 0:
             raise ValueError(f"window={self.window} must be 0 (full attention) or a positive span")
+        if self.logit_softcap < 0:
+            raise ValueError(f"logit_softcap={self.logit_softcap} must be 0 (off) or a positive bound such as 15")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must lie in [0, 1)")
         if self.pos == "relative" and not 4 <= self.rel_buckets < 2 * self.rel_max_distance:
@@ -297,15 +302,20 @@ class Attention(nn.Module):
         return x.unflatten(-1, (-1, self.config.head_size)).transpose(1, 2)  # (B, T, n * hs) -> (B, n, T, hs)
 
     def kv(self, memory):
-        return self.heads(self.c_kv(memory)).chunk(2, dim=1)  # k, v (B, n_kv_head, S, hs)
+        k, v = self.heads(self.c_kv(memory)).chunk(2, dim=1)  # (B, n_kv_head, S, hs)
+        return self.norm(k), v
+
+    def norm(self, t):  # QK-norm: each head's vector at unit RMS, so logits cannot grow without bound
+        return F.rms_norm(t, (t.size(-1),), eps=self.config.norm_eps) if self.config.qk_norm else t
 
     def forward(self, x, mask=Mask(), rope=None, memory=None):
         c = self.config
         if self.cross:  # keys and values of the encoder's output: computed once when generating
-            q = self.heads(self.c_q(x))
+            q = self.norm(self.heads(self.c_q(x)))
             k, v = self.memory_kv if self.memory_kv is not None else self.kv(memory)
         else:  # q, k, v heads one after another: (B, n_head + 2 * n_kv_head, T, hs)
             q, k, v = self.heads(self.c_attn(x)).split((c.n_head, c.n_kv_head, c.n_kv_head), dim=1)
+            q, k = self.norm(q), self.norm(k)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if self.kv_cache is not None:
@@ -335,8 +345,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h = self.c_fc(x)
-        if self.kind == "relu":
-            h = F.relu(h)
+        if self.kind in ("relu", "relu2"):
+            h = F.relu(h) if self.kind == "relu" else F.relu(h).square()
         elif self.kind == "gelu":
             h = F.gelu(h, approximate=self.approximate)
         else:
@@ -527,7 +537,9 @@ class Transformer(nn.Module):
                 # GPT-2: each residual branch adds to the stream, so its output starts smaller, by the
                 # root of the number of branches: attention and MLP, and cross-attention in a T5 decoder
                 branches = (3 if cross and name.startswith("decoder.") else 2) * config.n_layer
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(branches))
+                nn.init.normal_(p, mean=0.0, std=0.0 if config.zero_init else 0.02 / math.sqrt(branches))
+        if config.zero_init and not config.tie_embeddings:  # an untied head too (a tied one is the embedding)
+            nn.init.zeros_(self.lm_head.weight)
 
     def forward(self, idx, targets=None, *, mask=None, src=None, src_mask=None, input_pos=None):
         """idx (B, T) token ids -> logits (B, T, vocab_size), and the loss against targets (B, T),
@@ -548,6 +560,8 @@ class Transformer(nn.Module):
             memory = None if src is None else self.encode(src, src_mask)
             x = self.decoder(self.wte(idx), pos, mask, memory, src_mask)
         logits = self.lm_head(x)  # (B, T, vocab_size)
+        if c.logit_softcap:
+            logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
@@ -724,76 +738,3 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None):
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     return draw(sampling_probs(logits, temperature, top_k, top_p))
-
-
-# ----------------------------------------------------------------------------------------------
-# Speculative decoding
-
-def accept_or_resample(p, q, drafted):
-    """The rule of speculative sampling. p (k+1, V): the target's probabilities at each drafted
-    position and one past; q (k, V): the draft's; drafted (k,). Draft i is kept with probability
-    min(1, p_i(x) / q_i(x)); the first rejected one is replaced by a draw from max(0, p_i - q_i),
-    renormalised, and if all k are kept a token from p_k+1 follows. The tokens returned (a list)
-    are distributed exactly as the target's own samples would be."""
-    k = drafted.numel()
-    i = torch.arange(k, device=p.device)
-    keep = torch.rand(k, device=p.device) < p[i, drafted] / q[i, drafted]
-    n = int(keep.logical_not().nonzero()[0]) if not keep.all() else k  # drafts accepted
-    rest = p[k] if n == k else (p[n] - q[n]).clamp(min=0)
-    return drafted[:n].tolist() + [int(draw(rest[None] / rest.sum()))]
-
-
-@torch.no_grad()
-def speculative_generate(target, draft, idx, max_new_tokens, k=4, temperature=1.0, top_k=None, top_p=None,
-                         vocab_limit=None):
-    """Continue idx (1, T) as `target` would, faster (Leviathan et al. 2023; Chen et al. 2023): a
-    small `draft` decoder proposes k tokens one by one, the target scores them all in one forward
-    pass, and accept_or_resample keeps what the target agrees with. With temperature=0 the output
-    is exactly the target's greedy decoding. Returns (1, T + max_new_tokens) and the numbers of
-    draft tokens accepted and proposed."""
-    if target.config.arch != "decoder" or draft.config.arch != "decoder":
-        raise ValueError("speculative decoding takes a decoder as target and as draft")
-    if idx.size(0) != 1:
-        raise ValueError("speculative decoding takes one sequence at a time (batch size 1)")
-
-    def feed(model, tokens, start):  # tokens (1, n) at positions start.. -> probabilities (n, V)
-        logits = model(tokens, input_pos=torch.arange(start, start + tokens.size(1), device=tokens.device))[0]
-        return sampling_probs(logits[0, :, :vocab_limit], temperature, top_k, top_p)
-
-    out, total = idx[0].tolist(), idx.size(1) + max_new_tokens
-    # drafting stops where absolute positions would have to shift; the target alone finishes
-    end = min([m.config.block_size - k for m in (target, draft) if m.absolute_positions] + [total])
-    accepted = proposed = 0
-    for m in (target, draft):  # room for the k + 1 positions that a rollback may take back
-        m.setup_kv_cache(1, m.cache_size(len(out), max_new_tokens) + k + 1, dtype=autocast_dtype(idx.device))
-    try:
-        # invariant: the target has seen all of out but its last token; the draft all but `pending`
-        if 1 < len(out) < end:
-            for m in (target, draft):
-                m.prefill(idx[:, :-1], torch.arange(len(out) - 1, device=idx.device))
-        pending = idx[:, -1:]
-        while len(out) < end:
-            q, drafted, x, start = [], [], pending, len(out) - pending.size(1)
-            for _ in range(k):  # the draft proposes, one forward pass per token
-                q.append(feed(draft, x, start)[-1:])
-                start += x.size(1)
-                x = draw(q[-1])
-                drafted.append(x)
-            drafted = torch.cat(drafted, dim=1)  # (1, k)
-            last = idx.new_tensor([out[-1:]])
-            p = feed(target, torch.cat((last, drafted), dim=1), len(out) - 1)  # (k + 1, V): one pass
-            new = accept_or_resample(p, torch.cat(q), drafted[0])
-            n = len(new) - 1  # drafts accepted
-            accepted, proposed = accepted + n, proposed + k
-            # each cache keeps the accepted drafts and forgets the rest (the draft saw k - 1 drafts, not the last)
-            target.rollback_kv_cache(k - n)
-            draft.rollback_kv_cache(k - 1 - min(n, k - 1))
-            pending = torch.cat((drafted[:, k - 1:] if n == k else drafted[:, :0], idx.new_tensor([new[-1:]])), dim=1)
-            out += new
-    finally:
-        target.clear_kv_cache()
-        draft.clear_kv_cache()
-    out = idx.new_tensor([out[:total]])
-    if out.size(1) < total:
-        out = target.generate(out, total - out.size(1), temperature, top_k, top_p, vocab_limit=vocab_limit)
-    return out, accepted, proposed

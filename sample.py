@@ -32,9 +32,10 @@ import torch
 from checkpoint import describe, for_sampling, load_model, load_run
 from common import UsageError, check_ranges, parse_settings, usage
 from device import compile_decode, out_of_memory, pick_device, pick_dtype, precision, precision_name, timed
-from model import sample, speculative_generate
+from model import sample
 from pages import write_attention
 from quantize import Int8Linear
+from speculative import speculative_generate
 
 MASK = "[MASK]"
 SEP = "\n---------------\n"  # after each sequence shown

@@ -72,7 +72,7 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained, refusal, in_pro
     for name in ("old", "old-resumed"):
         write(name, edit=lambda c: c["model_config"].pop("gelu_approximate"))
     write("lacking", edit=lambda c: c.pop("optimizer"))
-    write("newer", edit=lambda c: c["model_config"].update(qk_norm=True))
+    write("newer", edit=lambda c: c["model_config"].update(n_predict=4))  # a setting from a later version
     whole = (d / "out-ok" / "ckpt.pt").read_bytes()
     write("truncated", data=whole[: len(whole) // 2])
     write("garbage", data=os.urandom(4096))
@@ -91,7 +91,7 @@ def test_train_rejects_broken_or_mismatched_checkpoints(trained, refusal, in_pro
         (("out-ok", "--dataset=verse-at"),
          ["was trained on other data", "than verse-at: resume with --dataset=verse"]),
         (("out-lacking",), ["out-lacking/ckpt.pt is not a nanoformer checkpoint (it lacks ['optimizer'])"]),
-        (("out-newer",), ["model settings this model.py does not know (qk_norm)", "another version of nanoformer"]),
+        (("out-newer",), ["model settings this model.py does not know (n_predict)", "another version of nanoformer"]),
         (("out-truncated",), ["is not a readable checkpoint", "truncated or corrupted"]),
         (("out-garbage",), ["is not a readable checkpoint", "truncated or corrupted"]),
         (("out-truncated-best",), ["copy out-truncated-best/best.pt to out-truncated-best/ckpt.pt to resume from "

@@ -1,6 +1,6 @@
 """Generation with model.py: decoding through the KV cache equals recomputing everything, within
 and past block_size; left-padded batches; decoding without host syncs, compiled; sampling; and
-speculative decoding. Every model is conftest's tiny_model (vocab 61, context 32, 2 layers, 4 heads
+speculative decoding (speculative.py). Every model is conftest's tiny_model (vocab 61, context 32, 2 layers, 4 heads
 of 8, width 32, eval mode), with the overrides a test names."""
 
 import dataclasses
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import model as model_module
-from model import POSITIONS, KVCache, Transformer, accept_or_resample, sample, speculative_generate
+from model import POSITIONS, KVCache, Transformer, sample
+from speculative import accept_or_resample, speculative_generate
 
 V = 61  # tiny_model's vocabulary
 
@@ -90,6 +91,8 @@ def noisy_copy(model, scale, seed=7):
 # heads (MHA, GQA, MQA) rotate so that each meets each position scheme and each window, with each arch.
 CACHE_CASES = [dict(arch=a, pos=p, n_kv_head=[4, 2, 1][(i + j + w // 3) % 3], window=w)
                for i, a in enumerate(("decoder", "encoder-decoder")) for j, p in enumerate(POSITIONS) for w in (0, 3)]
+CACHE_CASES += [dict(arch=a, pos="rope", n_kv_head=2, window=0, qk_norm=True, mlp="relu2", logit_softcap=15.0)
+                for a in ("decoder", "encoder-decoder")]  # the modern recipe's options: keys normalised before caching
 
 
 @pytest.mark.parametrize("kw", CACHE_CASES, ids=config_id)

@@ -325,6 +325,9 @@ def test_import_refusals_name_the_feature(config, feature, tmp_path):
     (dict(arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp="geglu", gelu_approximate="none", bias=False),
      "mlp='geglu'"),
     (dict(arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp="swiglu", bias=False), "mlp='swiglu'"),
+    (dict(mlp="relu2"), "mlp='relu2'"),
+    (dict(qk_norm=True), "qk_norm=True"),
+    (dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, logit_softcap=15.0), "logit_softcap=15.0"),
 ])
 def test_export_refusals_name_the_feature(config, feature, tmp_path, tiny_model):
     with pytest.raises(hf.HFError, match=feature) as e:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import kernels
-from model import Mask, ModelConfig, attn_impl, speculative_generate
+from model import Mask, ModelConfig, attn_impl
+from speculative import speculative_generate
 from quantize import quantize_int8
 
 CUDA = torch.cuda.is_available()

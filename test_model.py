@@ -22,8 +22,8 @@ V = 61  # tiny_model's vocabulary: small, and not a power of two
 
 # A covering matrix: every arch with every position scheme, the other options rotating through
 # their values so that each appears with each arch (GQA/MQA, pre/post-norm, norms, MLPs, window).
-FFNS = [dict(mlp="gelu"), dict(mlp="swiglu"), dict(mlp="relu", n_expert=4, expert_top_k=2),
-        dict(mlp="geglu"), dict(mlp="gelu", n_expert=3, expert_top_k=1)]
+FFNS = [dict(mlp="gelu", qk_norm=True, logit_softcap=15.0), dict(mlp="swiglu"),
+        dict(mlp="relu", n_expert=4, expert_top_k=2), dict(mlp="geglu"), dict(mlp="relu2", n_expert=3, expert_top_k=1)]
 MATRIX = []
 for i, (arch, pos) in enumerate(itertools.product(ARCHS, POSITIONS)):
     MATRIX.append(dict(arch=arch, pos=pos, n_kv_head=[4, 2, 1][i % 3], norm_first=i % 2 == 0,
@@ -474,3 +474,49 @@ def test_learned_positions_refuse_sequences_longer_than_block_size(tiny_model):
         t5(torch.zeros(1, 3, dtype=torch.long), src=long_src)
     with pytest.raises(ValueError, match="longer than block_size=32"):
         t5.generate(long_src[:, :1], 2, src=long_src)
+
+
+# ----------------------------------------------------------------------------------------------
+# The modern recipe's options: QK-norm, ReLU², logit soft-capping, zero-initialised projections
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder-decoder"])
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(arch, tiny_model):
+    idx, src = inputs(arch)
+    for qk_norm in (True, False):
+        model = tiny_model(arch=arch, pos="rope", qk_norm=qk_norm)
+        before = model(idx, src=src)[0]
+        with torch.no_grad():  # queries and keys 7 times longer: their weights' and biases' rows
+            for m in (m for m in model.modules() if isinstance(m, model_module.Attention)):
+                for layer, rows in ((m.c_q, slice(None)), (m.c_kv, slice(0, 32))) if m.cross else ((m.c_attn, slice(0, 64)),):
+                    layer.weight[rows] *= 7
+                    layer.bias[rows] *= 7
+        after = model(idx, src=src)[0]
+        assert torch.allclose(after, before, atol=1e-4) == qk_norm
+
+
+def test_relu2_is_relu_squared_between_the_two_layers(tiny_model):
+    mlp = tiny_model(mlp="relu2").decoder.h[0].mlp
+    x = torch.randn(2, 5, 32)
+    want = F.relu(x @ mlp.c_fc.weight.T + mlp.c_fc.bias).square() @ mlp.c_proj.weight.T + mlp.c_proj.bias
+    torch.testing.assert_close(mlp(x), want)
+    assert mlp.c_fc.weight.shape == tiny_model(mlp="gelu").decoder.h[0].mlp.c_fc.weight.shape
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logit_softcap_bounds_the_logits_by_c_tanh(arch, tiny_model):
+    idx, src = inputs(arch)
+    capped, plain = tiny_model(arch=arch, logit_softcap=0.1), tiny_model(arch=arch)  # the same seed: the same weights
+    raw = plain(idx, src=src)[0]
+    torch.testing.assert_close(capped(idx, src=src)[0], 0.1 * torch.tanh(raw / 0.1))
+    assert capped(idx, src=src)[0].abs().max() < 0.1 < raw.abs().max()
+
+
+def test_zero_init_starts_each_residual_branch_and_an_untied_head_at_zero(tiny_model):
+    untied = tiny_model(arch="encoder-decoder", pos="relative", zero_init=True, tie_embeddings=False)
+    projections = [p for n, p in untied.named_parameters() if n.endswith("c_proj.weight")]
+    assert len(projections) == 2 * 2 + 3 * 2 and all((p == 0).all() for p in projections)  # encoder 2, decoder 3 per layer
+    idx, src = inputs("encoder-decoder")
+    logits, loss = untied(idx, idx, src=src)
+    assert (logits == 0).all() and loss.item() == pytest.approx(math.log(V))  # uniform at the start
+    tied = tiny_model(zero_init=True)  # a tied head is the embedding table: it keeps its initialisation
+    assert tied.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.1)

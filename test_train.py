@@ -372,10 +372,14 @@ def test_ctrl_c_while_torch_loads_exits_quietly(workdir, start, wait_for, tiny_a
 # ----------------------------------------------------------------------------------------------
 # DDP under torchrun
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_two_process_torchrun_on_cpu_trains_ranks_agree_and_ends_with_the_parameters_of_one_process(
-        workdir, run, in_process, capsys, losses, tiny_args):
+        optimizer, workdir, run, in_process, capsys, losses, tiny_args):
     d, _ = workdir
-    args = ["--dataset=verse", "--max_iters=4", "--eval_interval=2", "--gradient_accumulation_steps=2", *tiny_args]
+    args = ["--dataset=verse", "--max_iters=4", "--eval_interval=2", "--gradient_accumulation_steps=2",
+            f"--optimizer={optimizer}", *tiny_args]
+    shutil.rmtree(d / "out-ddp", ignore_errors=True)
+    shutil.rmtree(d / "out-one", ignore_errors=True)
     code, log, err = run(TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
                          "--out_dir=out-ddp", *args, cwd=d)
     assert code == 0, err

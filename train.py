@@ -40,6 +40,7 @@ from common import UsageError, as_given, check_ranges, parse_settings, usage
 from data import batch_rng, eval_rng, get_batch, load_data, new_model_config, span_counts, special_tokens
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, set_rng_state, sync
 from model import ModelConfig, Transformer
+from optim import learning_rate, lr_factor, make_optimizer, optimizer_step
 from report import Report, hms
 
 
@@ -52,11 +53,14 @@ class TrainConfig:
     # batches: gradient_accumulation_steps * batch_size * block_size tokens per step, over all ranks
     batch_size: int = 12
     gradient_accumulation_steps: int = 1
-    # AdamW, with weight decay on matrices only
-    learning_rate: float = 6e-4
+    # AdamW, with weight decay on matrices only; or Muon on the blocks' matrices and AdamW on the rest
+    optimizer: str = "adamw"  # "adamw" or "muon"
+    learning_rate: float = 6e-4  # AdamW's peak
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    muon_lr: float = 0.02  # Muon's peak: the schedule scales it as it scales learning_rate
+    muon_momentum: float = 0.95  # ...warming up from 0.85 over its first 300 steps
     grad_clip: float = 1.0  # 0 = off
     # learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
     decay_lr: bool = True
@@ -88,7 +92,8 @@ class TrainConfig:
 
 
 # the values each setting may take, beyond its type (grad_clip=0: no clipping)
-TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), batch_size="[1, inf)", gradient_accumulation_steps="[1, inf)",
+TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), optimizer=("adamw", "muon"), muon_lr="[0, inf)",
+                    muon_momentum="[0, 1)", batch_size="[1, inf)", gradient_accumulation_steps="[1, inf)",
                     eval_interval="[1, inf)", eval_iters="[1, inf)", log_interval="[1, inf)", max_bad_steps="[1, inf)",
                     max_iters="[0, inf)", warmup_iters="[0, inf)", lr_decay_iters="[0, inf)", learning_rate="[0, inf)",
                     min_lr="[0, inf)", weight_decay="[0, inf)", grad_clip="[0, inf)", mean_span="[1, inf)",
@@ -278,35 +283,6 @@ def forward_backward(run, it):
     return step_loss
 
 
-def make_optimizer(model, cfg, fused):
-    """AdamW that decays matrices (weights of Linear and Embedding) but not biases and norm gains.
-    fused: one kernel for the whole update instead of ~10 small operations per tensor."""
-    return torch.optim.AdamW(model.optimizer_groups(cfg.weight_decay), lr=cfg.learning_rate,
-                             betas=(cfg.beta1, cfg.beta2), fused=fused)
-
-
-def optimizer_step(model, optimizer, scaler, grad_clip):
-    """Clip the gradients (unscaled first, under fp16), step, and clear them for the next batch."""
-    if grad_clip:
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def learning_rate(it, cfg):
-    """Linear warmup, then cosine decay to min_lr."""
-    if not cfg.decay_lr:
-        return cfg.learning_rate
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    if it > cfg.lr_decay_iters:
-        return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
-
-
 # ----------------------------------------------------------------------------------------------
 # The run
 
@@ -445,9 +421,9 @@ def loop(run, it, progress, dtype):
     t_start, started = time.time(), it
     t0, t0_iter = t_start, it  # the start of the timing that the next log line reports
     while True:
-        lr = learning_rate(it, cfg)
+        lr = learning_rate(it, cfg)  # AdamW's; each group runs at its own peak times the schedule
         for group in run.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = group["base_lr"] * lr_factor(it, cfg)
         # every eval_interval, and at the end, so that best.pt and ckpt.pt both know the last weights
         due = cfg.eval_only or (it % cfg.eval_interval == 0 or it == cfg.max_iters) and it != progress["evaluated_at"]
         losses = evaluate(run, it) if due else None  # None also when a signal cut it short

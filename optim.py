@@ -1,0 +1,135 @@
+"""
+The optimizers and the learning-rate schedule that train.py steps.
+
+- AdamW, with weight decay on matrices only (nanoGPT's recipe).
+- Muon (Jordan et al. 2024) on the blocks' 2-D weight matrices, AdamW on everything else
+  (embeddings, the head, norms, biases), as nanochat and modded-nanogpt split them: one optimizer,
+  `MuonAdamW`, whose state_dict holds plain tensors, so checkpoints load with weights_only=True and
+  a resume continues exactly.
+
+Every parameter group keeps its own peak learning rate in "base_lr"; the schedule is a factor of it
+(linear warmup, then cosine decay to min_lr / learning_rate).
+"""
+
+import math
+
+import torch
+from torch.optim.adamw import adamw
+
+# Newton-Schulz quintic coefficients of Muon's orthogonalisation (Keller Jordan's, tuned for the
+# steepest slope at zero: the singular values land near 1, between about 0.7 and 1.2)
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def lr_factor(it, cfg):
+    """The schedule at iteration it, a factor of each group's peak rate: linear warmup, then cosine
+    decay to min_lr / learning_rate at lr_decay_iters, flat after."""
+    if not cfg.decay_lr:
+        return 1.0
+    if it < cfg.warmup_iters:
+        return (it + 1) / (cfg.warmup_iters + 1)
+    low = cfg.min_lr / cfg.learning_rate if cfg.learning_rate else 1.0
+    if it > cfg.lr_decay_iters:
+        return low
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return low + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - low)
+
+
+def learning_rate(it, cfg):
+    """The learning rate of AdamW's groups at iteration it (a Muon group's is muon_lr times the factor)."""
+    return cfg.learning_rate * lr_factor(it, cfg)
+
+
+def make_optimizer(model, cfg, fused):
+    """AdamW that decays matrices (weights of Linear and Embedding) but not biases and norm gains;
+    or with cfg.optimizer="muon", MuonAdamW: Muon on the blocks' 2-D matrices, AdamW on the rest.
+    fused: AdamW in one kernel for the whole update instead of ~10 small operations per tensor."""
+    groups = [g | dict(base_lr=cfg.learning_rate) for g in model.optimizer_groups(cfg.weight_decay)]
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    blocks = {id(p) for name, p in model.named_parameters() if ".h." in name and p.dim() == 2}
+    groups = [g | dict(params=[p for p in g["params"] if id(p) not in blocks]) for g in groups]
+    groups.append(dict(params=[p for p in model.parameters() if id(p) in blocks], muon=True, base_lr=cfg.muon_lr,
+                       lr=cfg.muon_lr, weight_decay=cfg.weight_decay))
+    return MuonAdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                     momentum=cfg.muon_momentum)
+
+
+def optimizer_step(model, optimizer, scaler, grad_clip):
+    """Clip the gradients (unscaled first, under fp16), step, and clear them for the next batch."""
+    if grad_clip:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def orthogonalize(G, steps=5):
+    """The nearest semi-orthogonal matrix to each of G (n, rows, cols), approximately: steps of the
+    Newton-Schulz quintic on G / |G|, in G's dtype (fp32 here: on CPUs without native bf16, bf16
+    products run about 30x slower; on a GPU bf16 is the faster choice)."""
+    a, b, c = NS_COEFFICIENTS
+    X = G / (G.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    tall = X.size(-2) > X.size(-1)
+    if tall:  # the products below are cheaper on the wide side
+        X = X.mT
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on the groups marked "muon", AdamW on the others, in one optimizer.
+
+    Muon keeps a momentum of the gradient (Nesterov's), orthogonalises it, and steps by it scaled by
+    sqrt(max(1, rows / cols)), so that every matrix moves by about the same RMS; weight decay is
+    decoupled, as AdamW's. Matrices of one shape are orthogonalised together, in one batched product.
+    Its momentum warms up from momentum_start to momentum over momentum_warmup steps
+    (modded-nanogpt's)."""
+
+    def __init__(self, groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, momentum_start=0.85,
+                 momentum_warmup=300, ns_steps=5):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, muon=False, momentum=momentum,
+                        momentum_start=momentum_start, momentum_warmup=momentum_warmup, ns_steps=ns_steps)
+        super().__init__(groups, defaults)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                (self.muon_step if group["muon"] else self.adamw_step)(group, params)
+
+    def adamw_step(self, group, params):
+        grads = [p.grad for p in params]
+        for p in params:
+            if not self.state[p]:
+                self.state[p] = dict(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                     exp_avg_sq=torch.zeros_like(p))
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+              [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, foreach=True)
+
+    def muon_step(self, group, params):
+        for p in params:
+            if not self.state[p]:
+                self.state[p] = dict(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
+        step = self.state[params[0]]["step"].item() + 1
+        warm = min(1.0, step / max(1, group["momentum_warmup"]))
+        beta = (1 - warm) * group["momentum_start"] + warm * group["momentum"]
+        by_shape = {}
+        for p in params:
+            state = self.state[p]
+            state["step"] += 1
+            buf = state["momentum_buffer"].lerp_(p.grad, 1 - beta)
+            by_shape.setdefault(p.shape, []).append((p, p.grad.lerp(buf, beta)))  # Nesterov
+        for shape, pairs in by_shape.items():
+            update = orthogonalize(torch.stack([u for _, u in pairs]).float(), group["ns_steps"])
+            scale = max(1.0, shape[-2] / shape[-1]) ** 0.5
+            for (p, _), u in zip(pairs, update):
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(u.to(p.dtype), alpha=-group["lr"] * scale)
