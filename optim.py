@@ -12,9 +12,14 @@ Every parameter group keeps its own peak learning rate in "base_lr"; the schedul
 """
 
 import math
+import re
+import time
 
 import torch
 from torch.optim.adamw import adamw
+
+from common import UsageError
+from device import sync
 
 # Newton-Schulz quintic coefficients of Muon's orthogonalisation (Keller Jordan's, tuned for the
 # steepest slope at zero: the singular values land near 1, between about 0.7 and 1.2)
@@ -33,6 +38,47 @@ def lr_factor(it, cfg):
         return low
     ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     return low + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - low)
+
+
+def budget_seconds(text):
+    """--max_time's text in seconds ("90s", "45m", "8h", or a bare number of seconds); None for ""."""
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)([smh]?)", text.strip())
+    if text and (not m or float(m[1]) <= 0):
+        raise UsageError(f"max_time={text!r} is not a duration: write --max_time=90s, 45m or 8h")
+    return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[m[2]] if text else None
+
+
+class Budget:
+    """--max_time: the run's length, fitted to its own speed so that it ends, final evaluation and
+    checkpoint included, within the time given from the process's start. It times the iterations
+    after the first (which warms up), at least TIMED of them and 2% of the budget, and train.py
+    tells it the longest evaluation with its checkpoints (eval_s); then max_iters and lr_decay_iters
+    become the iterations that fit, so the schedule's decay ends with the run. EXIT_S is left for
+    the process to end. The checkpoints keep the number: a resume continues the same schedule."""
+    TIMED, EXIT_S = 5, 1.0
+
+    def __init__(self, seconds, started, start):
+        self.seconds, self.started, self.start, self.end = seconds, started, start, start + (seconds or 0)
+        self.eval_s = self.dt = self.t0 = 0.0  # the longest evaluation with its checkpoints, an iteration's time
+
+    def fit(self, cfg, it, device):
+        """The iterations that fit, once timed at iteration it; else None."""
+        timed = it - self.started - 1  # iterations since the first
+        if self.seconds is None or timed < 0 or 0 < timed < self.TIMED or \
+                timed and time.time() - self.t0 < 0.02 * self.seconds:
+            return None
+        sync(device)
+        if not timed:
+            self.t0 = time.time()
+            return None
+        self.dt = 1.03 * (time.time() - self.t0) / timed  # 3% to spare
+        left = self.end - time.time() - self.EXIT_S
+        n = it + math.floor((left - self.eval_s) / (self.dt + self.eval_s / cfg.eval_interval))
+        if n <= it:
+            raise UsageError(f"max_time={cfg.max_time} is too short: {time.time() - self.start:.1f} s went to setting "
+                             f"up, {it} iterations and an evaluation ({self.eval_s:.1f} s): give it more time")
+        self.seconds = None
+        return n
 
 
 def learning_rate(it, cfg):

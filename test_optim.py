@@ -1,8 +1,10 @@
 """optim.py: Muon's orthogonalisation lands every singular value near 1, batched as one at a time;
 MuonAdamW puts the blocks' matrices on Muon and every other parameter on AdamW, once each; its
 momentum warms up; a run with --optimizer=muon learns and resumes exactly, its checkpoints loading
-with weights_only=True. (The schedule and AdamW's runs: test_train.py.)"""
+with weights_only=True; --max_time fits a run's length to its budget, which a resume keeps. (The
+schedule and AdamW's runs: test_train.py.)"""
 
+import re
 import shutil
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 import optim
 import train
+from common import UsageError
 
 
 @pytest.mark.parametrize("shape", [(3, 96, 32), (2, 32, 128), (2, 48, 48)])
@@ -65,3 +68,56 @@ def test_a_muon_run_learns_and_resumes_exactly(workdir, in_process, tiny_args):
     first = torch.load(d / "ckpt-m3.pt", weights_only=True)  # a Muon checkpoint loads as plain tensors
     assert any(g.get("muon") for g in first["optimizer"]["param_groups"])
     assert straight["val_loss"] < 0.95 * torch.log(torch.tensor(61.0)).item()  # it learned (a uniform guess: ln 61)
+
+
+# ----------------------------------------------------------------------------------------------
+# --max_time: a run that fits a time budget
+
+def test_max_time_reads_seconds_minutes_and_hours():
+    assert [optim.budget_seconds(t) for t in ("90s", "45m", "8h", "12", "1.5h", "")] == [90, 2700, 28800, 12, 5400, None]
+    for bad in ("soon", "-5s", "5d", "0", "1h30m"):
+        with pytest.raises(UsageError, match=r"is not a duration: write --max_time=90s, 45m or 8h"):
+            optim.budget_seconds(bad)
+
+
+def test_the_budget_fits_the_iterations_that_end_in_time(monkeypatch):
+    """With a clock of its own: 100 s from the start, set up by 10 s, evaluations of 2 s every 50
+    iterations, iterations of 0.125 s. It times at least 5 iterations and 2% of the budget (2 s: 16
+    iterations), then fits the most iterations whose time, the evaluations' and a second to exit
+    stay within the budget, each iteration counted 3% slower."""
+    clock = [10.0]
+    monkeypatch.setattr(optim.time, "time", lambda: clock[0])
+    budget, cfg = optim.Budget(100, 0, 0.0), train.TrainConfig(eval_interval=50, max_time="100s")
+    budget.eval_s = 2.0
+    fits = []
+    for it in range(1, 40):
+        fits.append(budget.fit(cfg, it, torch.device("cpu")))
+        clock[0] += 0.125
+    n = next(f for f in fits if f is not None)
+    assert fits.index(n) + 1 == 17 and fits.count(None) == len(fits) - 1  # after 16 timed iterations, once
+    dt, now = 1.03 * 0.125, 10.0 + 2.0
+    end = lambda n: now + (n - 17) * dt + ((n - 17) / 50 + 1) * 2.0 + 1.0  # noqa: E731  (when n iterations end)
+    assert end(n) <= 100 < end(n + 1)
+
+
+def test_a_run_with_max_time_keeps_its_length_and_a_resume_goes_on_with_it(workdir, in_process, tiny_args,
+                                                                          capsys, monkeypatch):
+    d, _ = workdir  # in this process train.py's clock started at its import: the budget counts from now
+    monkeypatch.setattr(train, "START", __import__("time").time())
+    args = ["--dataset=verse", "--out_dir=out-budget", "--eval_interval=100", *tiny_args]
+    assert in_process(train.main, [*args, "--max_time=8s"], cwd=d) == 0
+    n = int(re.search(r"^max_time=8s: (\d+) iterations fit \(", capsys.readouterr().out, re.M)[1])
+    ckpt = torch.load(d / "out-budget" / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == ckpt["fitted_iters"] == n > optim.Budget.TIMED + 1
+    assert ckpt["train_config"]["max_iters"] == ckpt["train_config"]["lr_decay_iters"] == n  # the decay ends with it
+    # a resume goes on with the length chosen, not max_iters' default of 5000
+    assert in_process(train.main, [*args, "--max_time=8s", "--init_from=resume"], cwd=d) == 0
+    assert f"is at iteration {n} of max_iters={n}: nothing to do" in capsys.readouterr().out
+
+
+def test_a_budget_too_short_for_the_first_iterations_is_one_line(workdir, refusal, tiny_args):
+    d, _ = workdir  # in this process the clock started when train.py was imported: any second is past
+    refusal(train.main, ["--dataset=verse", "--out_dir=out-short", "--max_time=1s", *tiny_args],
+            "max_time=1s is too short", "give it more time", cwd=d)
+    refusal(train.main, ["--dataset=verse", "--out_dir=out-short2", "--max_time=soon", *tiny_args],
+            "max_time='soon' is not a duration", cwd=d)

@@ -40,7 +40,7 @@ from common import UsageError, as_given, check_ranges, parse_settings, usage
 from data import batch_rng, eval_rng, get_batch, load_data, new_model_config, span_counts, special_tokens
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, set_rng_state, sync
 from model import ModelConfig, Transformer
-from optim import learning_rate, lr_factor, make_optimizer, optimizer_step
+from optim import Budget, budget_seconds, learning_rate, lr_factor, make_optimizer, optimizer_step
 from report import Report, hms
 
 
@@ -68,6 +68,7 @@ class TrainConfig:
     lr_decay_iters: int = 5000
     min_lr: float = 6e-5
     max_iters: int = 5000
+    max_time: str = ""  # a budget for the whole run, "90s", "45m", "8h" (bare: seconds): it sets max_iters
     # evaluation, logging, checkpoints
     eval_interval: int = 250
     eval_iters: int = 20  # batches per split and rank
@@ -241,7 +242,7 @@ def evaluate(run, it):
     return out
 
 
-def save(run, path, iter_num, best_val_loss, evaluated_at, val_loss):
+def save(run, path, iter_num, **progress):
     """Write a checkpoint of iteration iter_num, unless the weights are broken (then the last good
     one stays). Under DDP every rank takes part, and rank 0 writes."""
     if not all(torch.isfinite(p).all() for p in run.raw_model.parameters()):
@@ -257,8 +258,7 @@ def save(run, path, iter_num, best_val_loss, evaluated_at, val_loss):
             save_atomic(dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
                              scaler=run.scaler.state_dict(), model_config=asdict(run.raw_model.config),
                              train_config=asdict(run.cfg), rng=states, meta=run.meta,
-                             tokens=run.tokens, iter_num=iter_num,
-                             best_val_loss=best_val_loss, evaluated_at=evaluated_at, val_loss=val_loss), path)
+                             tokens=run.tokens, iter_num=iter_num, **progress), path)
         except UsageError as e:  # a full disk: every rank stops with it (rank 0 says why), rather than
             failed = e  # the others meeting a closed connection at their next collective
     if all_ranks(torch.tensor(float(failed is not None), device=run.device)).item() and not failed:
@@ -293,6 +293,7 @@ def main(argv):
     train_args, model_args = parse_settings(argv, TrainConfig, ModelConfig, skip=("vocab_size",))
     cfg = TrainConfig(**train_args)
     check_ranges(cfg, TRAIN_RANGES)
+    budget_seconds(cfg.max_time)  # refused now, not after setting up
     STOP.clear()  # signals from an earlier run in this process (tests) are not this run's
     with ExitStack() as held:  # what the run holds until it ends, however it ends: its lock on out_dir
         try:
@@ -334,6 +335,8 @@ def train(cfg, model_args, held, given=()):
         if "dataset" not in given:  # the run's own data, unless told otherwise
             cfg = replace(cfg, **{k: ckpt["train_config"][k] for k in ("dataset", "data_dir")
                                   if k not in given and k in ckpt["train_config"]})
+        if cfg.max_time and ckpt.get("fitted_iters"):  # a --max_time run goes on with the length it chose
+            cfg = replace(cfg, max_iters=ckpt["fitted_iters"], lr_decay_iters=ckpt["fitted_iters"])
     data, meta = load_data(cfg.data_dir, cfg.dataset)
     if cfg.init_from not in ("scratch", "resume"):
         import hf  # safetensors and the name maps, only for a pretrained model
@@ -351,7 +354,7 @@ def train(cfg, model_args, held, given=()):
     optimizer = make_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     # progress: the best val loss so far, and the iteration and val loss of the last full evaluation
-    it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None, val_loss=None)
+    it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None, val_loss=None, fitted_iters=None)
     if ckpt is not None:
         for k in [k for k in ckpt["model"] if k.endswith("wpe.weight")]:  # a shorter block_size: fewer positions
             ckpt["model"][k] = ckpt["model"][k][: config.block_size]
@@ -387,7 +390,7 @@ def resume(ckpt, optimizer, scaler, rank, world, device):
         set_rng_state(ckpt["rng"][rank], device)
     it = ckpt["iter_num"]
     return it, dict(best_val_loss=ckpt["best_val_loss"], evaluated_at=ckpt.get("evaluated_at", it),
-                    val_loss=ckpt.get("val_loss"))
+                    val_loss=ckpt.get("val_loss"), fitted_iters=ckpt.get("fitted_iters"))
 
 
 def kept(path, saved_at):
@@ -408,6 +411,26 @@ def start_line(run, dtype):
     return tokens_per_iter, lambda dt: flops_per_iter / dt / peak if peak else None
 
 
+def record_evaluation(run, it, losses, progress, saved_at, report):
+    """Log an evaluation, save best.pt when val improves and ckpt.pt (unless the loss is not finite),
+    then hand it to the report; returns the iteration that ckpt.pt holds."""
+    cfg, ckpt_path = run.cfg, os.path.join(run.cfg.out_dir, "ckpt.pt")
+    progress.update(evaluated_at=it, val_loss=losses["val"])
+    log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+        f"({time.time() - START:.1f} s since start)")
+    if not math.isfinite(losses["val"]):
+        log(f"the val loss is not finite: no checkpoint written ({kept(ckpt_path, saved_at)})")
+    elif not cfg.eval_only:
+        if losses["val"] < progress["best_val_loss"]:
+            progress["best_val_loss"] = losses["val"]
+            save(run, os.path.join(cfg.out_dir, "best.pt"), it, **progress)
+        if cfg.always_save_checkpoint and save(run, ckpt_path, it, **progress):
+            saved_at = it
+    if report:  # after the checkpoints, which matter more
+        report.evaluation(it, losses)
+    return saved_at
+
+
 def loop(run, it, progress, dtype):
     """Train from iteration it to max_iters, evaluating and saving every eval_interval. progress:
     the best val loss so far and the iteration of the last evaluation, which checkpoints keep."""
@@ -420,27 +443,18 @@ def loop(run, it, progress, dtype):
     bad_steps = skipped = 0
     t_start, started = time.time(), it
     t0, t0_iter = t_start, it  # the start of the timing that the next log line reports
+    budget = Budget(budget_seconds(cfg.max_time) if not progress["fitted_iters"] else None, it, START)
     while True:
         lr = learning_rate(it, cfg)  # AdamW's; each group runs at its own peak times the schedule
         for group in run.optimizer.param_groups:
             group["lr"] = group["base_lr"] * lr_factor(it, cfg)
         # every eval_interval, and at the end, so that best.pt and ckpt.pt both know the last weights
         due = cfg.eval_only or (it % cfg.eval_interval == 0 or it == cfg.max_iters) and it != progress["evaluated_at"]
+        t_eval = time.time()
         losses = evaluate(run, it) if due else None  # None also when a signal cut it short
         if losses is not None:
-            progress.update(evaluated_at=it, val_loss=losses["val"])
-            log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
-                f"({time.time() - START:.1f} s since start)")
-            if not math.isfinite(losses["val"]):
-                log(f"the val loss is not finite: no checkpoint written ({kept(ckpt_path, saved_at)})")
-            elif writes:
-                if losses["val"] < progress["best_val_loss"]:
-                    progress["best_val_loss"] = losses["val"]
-                    save(run, os.path.join(cfg.out_dir, "best.pt"), it, **progress)
-                if cfg.always_save_checkpoint and save(run, ckpt_path, it, **progress):
-                    saved_at = it
-            if report:  # after the checkpoints, which matter more
-                report.evaluation(it, losses)
+            saved_at = record_evaluation(run, it, losses, progress, saved_at, report)
+            budget.eval_s = max(budget.eval_s, time.time() - t_eval)
             t0, t0_iter = time.time(), it  # evaluation is not training time
         if stopping(device):
             if writes and it != saved_at and save(run, ckpt_path, it, **progress):
@@ -468,6 +482,12 @@ def loop(run, it, progress, dtype):
         bad_steps = 0
         optimizer_step(run.model, run.optimizer, run.scaler, cfg.grad_clip)
         it += 1
+        if (n := budget.fit(cfg, it, device)) is not None:  # --max_time: the length that fits, one for all ranks
+            n = int(all_ranks(torch.tensor(float(n), device=device), dist.ReduceOp.MIN).item())
+            run.cfg = cfg = replace(cfg, max_iters=n, lr_decay_iters=n)
+            progress["fitted_iters"] = n
+            log(f"max_time={cfg.max_time}: {n} iterations fit ({budget.dt * 1000:.1f} ms each, {budget.eval_s:.1f} s "
+                "an evaluation with its checkpoints); the learning rate decays until then")
 
         if (it % cfg.log_interval == 0 or it == started + 1) and MASTER:  # the first as soon as it is timed
             sync(device)
