@@ -52,33 +52,51 @@ class Budget:
     """--max_time: the run's length, fitted to its own speed so that it ends, final evaluation and
     checkpoint included, within the time given from the process's start. It times the iterations
     after the first (which warms up), at least TIMED of them and 2% of the budget, and train.py
-    tells it the longest evaluation with its checkpoints (eval_s); then max_iters and lr_decay_iters
-    become the iterations that fit, so the schedule's decay ends with the run. EXIT_S is left for
-    the process to end. The checkpoints keep the number: a resume continues the same schedule."""
+    tells it each evaluation's time with its checkpoints; then max_iters and lr_decay_iters become
+    the iterations that fit, so the schedule's decay ends with the run. Before each later
+    evaluation it times the iterations since the last one and fits again: shorter if the run
+    would end late, longer only in the run's first half. EXIT_S is left for the process to end.
+    The checkpoints keep the number: a resume continues with it."""
     TIMED, EXIT_S = 5, 1.0
 
     def __init__(self, seconds, started, start):
         self.seconds, self.started, self.start, self.end = seconds, started, start, start + (seconds or 0)
         self.eval_s = self.dt = self.t0 = 0.0  # the longest evaluation with its checkpoints, an iteration's time
+        self.fitted, self.mark = False, (time.time(), started)  # when the last evaluation ended, and where
+
+    def evaluated(self, it, seconds):
+        self.eval_s, self.mark = max(self.eval_s, seconds), (time.time(), it)
 
     def fit(self, cfg, it, device):
-        """The iterations that fit, once timed at iteration it; else None."""
-        timed = it - self.started - 1  # iterations since the first
-        if self.seconds is None or timed < 0 or 0 < timed < self.TIMED or \
-                timed and time.time() - self.t0 < 0.02 * self.seconds:
+        """The iterations that fit, when timed at iteration it (first after the timing, then before
+        each evaluation, if fewer than max_iters); else None."""
+        if self.seconds is None:
             return None
+        if self.fitted:  # the iterations since the last evaluation, before the next
+            if it % cfg.eval_interval or it == cfg.max_iters or it <= self.mark[1]:
+                return None
+            t0, timed = self.mark
+            timed = it - timed
+        else:
+            t0, timed = self.t0, it - self.started - 1  # iterations since the first
+            if timed < 0 or 0 < timed < self.TIMED or timed and time.time() - t0 < 0.02 * self.seconds:
+                return None
         sync(device)
         if not timed:
             self.t0 = time.time()
             return None
-        self.dt = 1.03 * (time.time() - self.t0) / timed  # 3% to spare
+        self.dt = 1.03 * (time.time() - t0) / timed  # 3% to spare
         left = self.end - time.time() - self.EXIT_S
         n = it + math.floor((left - self.eval_s) / (self.dt + self.eval_s / cfg.eval_interval))
-        if n <= it:
+        if n <= it and not self.fitted:
             raise UsageError(f"max_time={cfg.max_time} is too short: {time.time() - self.start:.1f} s went to setting "
                              f"up, {it} iterations and an evaluation ({self.eval_s:.1f} s): give it more time")
-        self.seconds = None
-        return n
+        # later: a run that would end late gets shorter; in its first half, one that would end early by
+        # more than 2% gets longer (the decay has barely begun); else the length stays
+        if self.fitted and (n >= cfg.max_iters if 2 * it > cfg.max_iters else abs(n - cfg.max_iters) <= 0.02 * n):
+            return None
+        self.fitted = True
+        return max(n, it)
 
 
 def learning_rate(it, cfg):

@@ -4,6 +4,7 @@ momentum warms up; a run with --optimizer=muon learns and resumes exactly, its c
 with weights_only=True; --max_time fits a run's length to its budget, which a resume keeps. (The
 schedule and AdamW's runs: test_train.py.)"""
 
+import dataclasses
 import re
 import shutil
 
@@ -90,14 +91,39 @@ def test_the_budget_fits_the_iterations_that_end_in_time(monkeypatch):
     budget, cfg = optim.Budget(100, 0, 0.0), train.TrainConfig(eval_interval=50, max_time="100s")
     budget.eval_s = 2.0
     fits = []
-    for it in range(1, 40):
+    for it in range(1, 50):
         fits.append(budget.fit(cfg, it, torch.device("cpu")))
+        cfg = dataclasses.replace(cfg, max_iters=fits[-1] or cfg.max_iters)
         clock[0] += 0.125
     n = next(f for f in fits if f is not None)
     assert fits.index(n) + 1 == 17 and fits.count(None) == len(fits) - 1  # after 16 timed iterations, once
     dt, now = 1.03 * 0.125, 10.0 + 2.0
     end = lambda n: now + (n - 17) * dt + ((n - 17) / 50 + 1) * 2.0 + 1.0  # noqa: E731  (when n iterations end)
     assert end(n) <= 100 < end(n + 1)
+    for pace, shorter in ((0.125, False), (0.25, True)):  # as fast: the length stays; twice as slow: shorter
+        # (a run that would end early gets longer only in its first half: the second test below)
+        clock[0] += 2.0
+        budget.evaluated(it, 2.0)  # an evaluation at iteration it ends now
+        for it in range(it + 1, it + 51):
+            clock[0] += pace
+            if (got := budget.fit(cfg, it, torch.device("cpu"))) is not None:
+                break
+        assert (got is not None) == shorter and (got is None or it % 50 == 0)  # before an evaluation
+        if shorter:  # what fits at the new pace
+            left = 100 - clock[0] - 1.0
+            assert got == it + int((left - 2.0) // (1.03 * pace + 2.0 / 50)) < cfg.max_iters
+
+
+def test_a_run_that_would_end_early_gets_longer_only_in_its_first_half(monkeypatch):
+    clock = [10.0]
+    monkeypatch.setattr(optim.time, "time", lambda: clock[0])
+    budget, cfg = optim.Budget(100, 0, 0.0), train.TrainConfig(eval_interval=50, max_time="100s", max_iters=400)
+    budget.fitted = True
+    for it, longer in ((50, True), (250, False)):  # at 50 of 400 iterations: longer; at 250: past half, it stays
+        budget.evaluated(it - 50, 1.0)
+        clock[0] += 50 * 0.05  # 50 iterations at 0.05 s: 400 would end far too early
+        n = budget.fit(cfg, it, torch.device("cpu"))
+        assert (n is not None and n > 400) == longer and (n is None) != longer
 
 
 def test_a_run_with_max_time_keeps_its_length_and_a_resume_goes_on_with_it(workdir, in_process, tiny_args,
@@ -106,7 +132,7 @@ def test_a_run_with_max_time_keeps_its_length_and_a_resume_goes_on_with_it(workd
     monkeypatch.setattr(train, "START", __import__("time").time())
     args = ["--dataset=verse", "--out_dir=out-budget", "--eval_interval=100", *tiny_args]
     assert in_process(train.main, [*args, "--max_time=8s"], cwd=d) == 0
-    n = int(re.search(r"^max_time=8s: (\d+) iterations fit \(", capsys.readouterr().out, re.M)[1])
+    n = int(re.findall(r"^max_time=8s: (\d+) iterations fit \(", capsys.readouterr().out, re.M)[-1])  # the last fit
     ckpt = torch.load(d / "out-budget" / "ckpt.pt", weights_only=True)
     assert ckpt["iter_num"] == ckpt["fitted_iters"] == n > optim.Budget.TIMED + 1
     assert ckpt["train_config"]["max_iters"] == ckpt["train_config"]["lr_decay_iters"] == n  # the decay ends with it

@@ -443,7 +443,8 @@ def loop(run, it, progress, dtype):
     bad_steps = skipped = 0
     t_start, started = time.time(), it
     t0, t0_iter = t_start, it  # the start of the timing that the next log line reports
-    budget = Budget(budget_seconds(cfg.max_time) if not progress["fitted_iters"] else None, it, START)
+    budget = Budget(budget_seconds(cfg.max_time), it, START)  # a resumed run keeps its length, or shortens it
+    budget.fitted = bool(progress["fitted_iters"])
     while True:
         lr = learning_rate(it, cfg)  # AdamW's; each group runs at its own peak times the schedule
         for group in run.optimizer.param_groups:
@@ -454,7 +455,7 @@ def loop(run, it, progress, dtype):
         losses = evaluate(run, it) if due else None  # None also when a signal cut it short
         if losses is not None:
             saved_at = record_evaluation(run, it, losses, progress, saved_at, report)
-            budget.eval_s = max(budget.eval_s, time.time() - t_eval)
+            budget.evaluated(it, time.time() - t_eval)
             t0, t0_iter = time.time(), it  # evaluation is not training time
         if stopping(device):
             if writes and it != saved_at and save(run, ckpt_path, it, **progress):

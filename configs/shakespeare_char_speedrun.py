@@ -1,0 +1,17 @@
+# A first try at the modern recipe on the CPU, not yet tuned (docs/training.md): the Llama-style
+# model with ReLU², QK-norm, a zero-initialised untied head and projections, soft-capped logits,
+# and Muon on the blocks' matrices. Give it a time budget:
+# python train.py configs/shakespeare_char_speedrun.py --max_time=155s
+from configs.shakespeare_char_llama import *  # the Llama-style CPU config; what differs follows
+
+out_dir = "out-shakespeare-char-speedrun"
+mlp = "relu2"
+qk_norm = True
+zero_init = True
+logit_softcap = 15.0
+optimizer = "muon"
+learning_rate = 3e-3  # AdamW's peak: embeddings, head, norms
+muon_lr = 0.02
+warmup_iters = 50
+max_iters = 100000  # --max_time sets the length; this only caps it
+eval_interval = 250
