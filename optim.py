@@ -75,8 +75,7 @@ class Budget:
         if self.fitted:  # the iterations since the last evaluation, before the next
             if it % cfg.eval_interval or it == cfg.max_iters or it <= self.mark[1]:
                 return None
-            t0, timed = self.mark
-            timed = it - timed
+            t0, timed = self.mark[0], it - self.mark[1]
         else:
             t0, timed = self.t0, it - self.started - 1  # iterations since the first
             if timed < 0 or 0 < timed < self.TIMED or timed and time.time() - t0 < 0.02 * self.seconds:
