@@ -59,10 +59,10 @@ class Budget:
     The checkpoints keep the number: a resume continues with it."""
     TIMED, EXIT_S = 5, 1.0
 
-    def __init__(self, seconds, started, start):
+    def __init__(self, seconds, started, start, fitted=False):
         self.seconds, self.started, self.start, self.end = seconds, started, start, start + (seconds or 0)
         self.eval_s = self.dt = self.t0 = 0.0  # the longest evaluation with its checkpoints, an iteration's time
-        self.fitted, self.mark = False, (time.time(), started)  # when the last evaluation ended, and where
+        self.fitted, self.mark = fitted, (time.time(), started)  # when the last evaluation ended, and where
 
     def evaluated(self, it, seconds):
         self.eval_s, self.mark = max(self.eval_s, seconds), (time.time(), it)

@@ -68,8 +68,7 @@ def test_metrics_hold_every_line_and_a_resume_keeps_one_history(straight, workdi
 
 def curves(path):
     """The points of each curve on the page: {series name: number of points}."""
-    text = open(path, encoding="utf-8").read()
-    return {name: len(points.split()) for name, points in re.findall(r'data-series="([^"]+)"[^>]*points="([^"]*)"', text)}
+    return curves_in(open(path, encoding="utf-8").read())
 
 
 def chromium(*args):
@@ -103,6 +102,7 @@ def test_page_says_what_the_run_is_and_chromium_draws_its_curves(straight, tmp_p
 
 
 def curves_in(dom):
+    """The same, of a page's text or of the DOM Chromium parsed from it."""
     return {name: len(points.split()) for name, points in re.findall(r'data-series="([^"]+)"[^>]*points="([^"]*)"', dom)}
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kernels
+import optim
 import sample
 import train
 
@@ -111,7 +112,7 @@ def test_bench_times_train_py_against_nanogpts_recipe_and_both_compute_the_same(
 
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     cfg = train.TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
-    lrs = [train.learning_rate(i, cfg) for i in range(200)]
+    lrs = [optim.learning_rate(i, cfg) for i in range(200)]
     assert lrs[:10] == pytest.approx([(i + 1) / 11 for i in range(10)])
     assert lrs[10] == pytest.approx(1.0) and lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[10:111], lrs[11:112])) and lrs[150] == 0.1
@@ -119,7 +120,7 @@ def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
 
 def test_the_optimizer_runs_at_the_scheduled_learning_rate(trained):
     ckpt = torch.load(trained / "out-ok" / "ckpt.pt", weights_only=True)
-    scheduled = train.learning_rate(ckpt["iter_num"], train.TrainConfig(**ckpt["train_config"]))
+    scheduled = optim.learning_rate(ckpt["iter_num"], train.TrainConfig(**ckpt["train_config"]))
     assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == [scheduled] * 2  # decayed and not
 
 

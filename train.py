@@ -40,7 +40,7 @@ from common import UsageError, as_given, check_ranges, parse_settings, usage
 from data import batch_rng, eval_rng, get_batch, load_data, new_model_config, span_counts, special_tokens
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, set_rng_state, sync
 from model import ModelConfig, Transformer
-from optim import Budget, budget_seconds, learning_rate, lr_factor, make_optimizer, optimizer_step
+from optim import Budget, budget_seconds, lr_factor, make_optimizer, optimizer_step
 from report import Report, hms
 
 
@@ -443,12 +443,13 @@ def loop(run, it, progress, dtype):
     bad_steps = skipped = 0
     t_start, started = time.time(), it
     t0, t0_iter = t_start, it  # the start of the timing that the next log line reports
-    budget = Budget(budget_seconds(cfg.max_time), it, START)  # a resumed run keeps its length, or shortens it
-    budget.fitted = bool(progress["fitted_iters"])
+    # a resumed --max_time run keeps the length it chose, unless the rest would not fit
+    budget = Budget(budget_seconds(cfg.max_time), it, START, fitted=bool(progress["fitted_iters"]))
     while True:
-        lr = learning_rate(it, cfg)  # AdamW's; each group runs at its own peak times the schedule
+        factor = lr_factor(it, cfg)  # each group runs at its own peak times the schedule
         for group in run.optimizer.param_groups:
-            group["lr"] = group["base_lr"] * lr_factor(it, cfg)
+            group["lr"] = group["base_lr"] * factor
+        lr = cfg.learning_rate * factor  # AdamW's, as logged
         # every eval_interval, and at the end, so that best.pt and ckpt.pt both know the last weights
         due = cfg.eval_only or (it % cfg.eval_interval == 0 or it == cfg.max_iters) and it != progress["evaluated_at"]
         t_eval = time.time()
