@@ -115,17 +115,50 @@ def make_optimizer(model, cfg, fused):
     groups.append(dict(params=[p for p in model.parameters() if id(p) in blocks], muon=True, base_lr=cfg.muon_lr,
                        lr=cfg.muon_lr, weight_decay=cfg.weight_decay))
     return MuonAdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                     momentum=cfg.muon_momentum)
+                     momentum=cfg.muon_momentum, fused=fused)
 
 
-def optimizer_step(model, optimizer, scaler, grad_clip):
-    """Clip the gradients (unscaled first, under fp16), step, and clear them for the next batch."""
+def optimizer_step(model, optimizer, scaler, grad_clip, skip=None):
+    """Clip the gradients (unscaled first, under fp16), step, and clear them for the next batch.
+    skip: a 0-dim float tensor on the device, 1 to leave the weights and the optimizer's state as
+    they were (after a non-finite loss). Fused AdamW (its found_inf) and MuonAdamW read it on the
+    device, so the host never waits for it; an unfused AdamW must ask the device."""
+    if skip is not None and not optimizer.defaults.get("fused") and skip.item():
+        optimizer.zero_grad(set_to_none=True)
+        return
     if grad_clip:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if skip is not None and optimizer.defaults.get("fused"):
+        optimizer.found_inf = skip  # under fp16 the scaler puts its own (a non-finite loss has non-finite gradients)
     scaler.step(optimizer)
+    optimizer.__dict__.pop("found_inf", None)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+
+
+class Skips:
+    """The steps skipped for a non-finite loss, counted on the device: the host reads the counts at
+    log lines only, so that it never waits for the device in between. Every rank counts the same."""
+
+    def __init__(self, device, log=print):
+        self.log = log
+        self.row = self.longest = self.total = torch.zeros((), device=device)
+        self.seen = 0  # the total at the last reading
+
+    def add(self, bad):
+        """One step, skipped if bad (a 0-dim tensor) is 1."""
+        self.row = (self.row + 1) * bad
+        self.longest, self.total = torch.maximum(self.longest, self.row), self.total + bad
+
+    def read(self, it):
+        """Log the steps skipped since the last reading; return the most skipped in a row so far."""
+        total, longest = (int(x) for x in torch.stack((self.total, self.longest)).tolist())
+        if total > self.seen:
+            self.log(f"iter {it}: {total - self.seen} steps skipped since the last log line, the loss not finite "
+                     f"({longest} in a row at most)")
+        self.seen = total
+        return longest
 
 
 def orthogonalize(G, steps=5):
@@ -150,49 +183,57 @@ class MuonAdamW(torch.optim.Optimizer):
     sqrt(max(1, rows / cols)), so that every matrix moves by about the same RMS; weight decay is
     decoupled, as AdamW's. Matrices of one shape are orthogonalised together, in one batched product.
     Its momentum warms up from momentum_start to momentum over momentum_warmup steps
-    (modded-nanogpt's)."""
+    (modded-nanogpt's). fused: AdamW's part in one kernel, which, as Muon's part, skips the step on
+    the device when optimizer_step's found_inf says so."""
 
     def __init__(self, groups, lr, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, momentum_start=0.85,
-                 momentum_warmup=300, ns_steps=5):
+                 momentum_warmup=300, ns_steps=5, fused=False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, muon=False, momentum=momentum,
-                        momentum_start=momentum_start, momentum_warmup=momentum_warmup, ns_steps=ns_steps)
+                        momentum_start=momentum_start, momentum_warmup=momentum_warmup, ns_steps=ns_steps,
+                        fused=fused)
         super().__init__(groups, defaults)
 
     @torch.no_grad()
     def step(self):
+        found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
-                (self.muon_step if group["muon"] else self.adamw_step)(group, params)
+                (self.muon_step if group["muon"] else self.adamw_step)(group, params, found_inf)
 
-    def adamw_step(self, group, params):
+    def adamw_step(self, group, params, found_inf):
         grads = [p.grad for p in params]
         for p in params:
             if not self.state[p]:
-                self.state[p] = dict(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                     exp_avg_sq=torch.zeros_like(p))
+                self.state[p] = dict(step=torch.tensor(0.0, device=p.device if group["fused"] else "cpu"),
+                                     exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         adamw(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
               [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, foreach=True)
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+              foreach=not group["fused"], fused=group["fused"] or None, found_inf=found_inf)
 
-    def muon_step(self, group, params):
+    def muon_step(self, group, params, found_inf):
+        # every number stays on the device: a skipped step (keep = 0) leaves weights, momentum and
+        # step count as they were, without the host asking whether it was skipped
+        keep = 1 - found_inf if found_inf is not None else torch.ones((), device=params[0].device)
         for p in params:
             if not self.state[p]:
-                self.state[p] = dict(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
-        step = self.state[params[0]]["step"].item() + 1
-        warm = min(1.0, step / max(1, group["momentum_warmup"]))
+                self.state[p] = dict(step=torch.zeros((), device=p.device), momentum_buffer=torch.zeros_like(p))
+        step = self.state[params[0]]["step"] + keep
+        warm = (step / max(1, group["momentum_warmup"])).clamp(max=1.0)
         beta = (1 - warm) * group["momentum_start"] + warm * group["momentum"]
         by_shape = {}
         for p in params:
             state = self.state[p]
-            state["step"] += 1
-            buf = state["momentum_buffer"].lerp_(p.grad, 1 - beta)
-            by_shape.setdefault(p.shape, []).append((p, p.grad.lerp(buf, beta)))  # Nesterov
+            state["step"].add_(keep)
+            grad = torch.where(keep > 0, p.grad, 0)  # a skipped step's gradient may be nan
+            buf = state["momentum_buffer"].lerp_(grad, (1 - beta) * keep)
+            by_shape.setdefault(p.shape, []).append((p, grad.lerp(buf, beta)))  # Nesterov
         for shape, pairs in by_shape.items():
             update = orthogonalize(torch.stack([u for _, u in pairs]).float(), group["ns_steps"])
             scale = max(1.0, shape[-2] / shape[-1]) ** 0.5
             for (p, _), u in zip(pairs, update):
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(u.to(p.dtype), alpha=-group["lr"] * scale)
+                p.mul_(1 - group["lr"] * group["weight_decay"] * keep)
+                p.addcmul_(u.to(p.dtype), keep, value=-group["lr"] * scale)

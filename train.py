@@ -40,7 +40,7 @@ from common import UsageError, as_given, check_ranges, parse_settings, usage
 from data import batch_rng, eval_rng, get_batch, load_data, new_model_config, span_counts, special_tokens
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, set_rng_state, sync
 from model import ModelConfig, Transformer
-from optim import Budget, budget_seconds, lr_factor, make_optimizer, optimizer_step
+from optim import Budget, Skips, budget_seconds, lr_factor, make_optimizer, optimizer_step
 from report import Report, hms
 
 
@@ -122,12 +122,12 @@ def all_ranks(x, op=dist.ReduceOp.SUM):
     return x
 
 
-def stopping(device):
-    """Whether a signal asks the run to stop. Under DDP all ranks stop together: they agree each time
-    they ask, a wait for the device that one process does without."""
+def stopping(device, agree=True):
+    """Whether a signal asks the run to stop. Under DDP all ranks stop together: they agree when
+    asked to (agree), a wait for the device that one process does without."""
     if not dist.is_initialized():
         return bool(STOP)
-    return all_ranks(torch.tensor(float(bool(STOP)), device=device), dist.ReduceOp.MAX).item() > 0
+    return agree and all_ranks(torch.tensor(float(bool(STOP)), device=device), dist.ReduceOp.MAX).item() > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -440,7 +440,7 @@ def loop(run, it, progress, dtype):
     tokens_per_iter, mfu = start_line(run, dtype)
     report = Report(run, it, tokens_per_iter, dtype) if writes and MASTER else None  # metrics, wandb, the page
     saved_at = it if cfg.init_from == "resume" else None  # what ckpt.pt holds
-    bad_steps = skipped = 0
+    skips = Skips(device, log)
     t_start, started = time.time(), it
     t0, t0_iter = t_start, it  # the start of the timing that the next log line reports
     # a resumed --max_time run keeps the length it chose, unless the rest would not fit
@@ -458,7 +458,7 @@ def loop(run, it, progress, dtype):
             saved_at = record_evaluation(run, it, losses, progress, saved_at, report)
             budget.evaluated(it, time.time() - t_eval)
             t0, t0_iter = time.time(), it  # evaluation is not training time
-        if stopping(device):
+        if stopping(device, agree=it % cfg.log_interval == 0 or due):
             if writes and it != saved_at and save(run, ckpt_path, it, **progress):
                 saved_at = it
             name = signal.Signals(STOP[0]).name if STOP else "a signal to another rank"
@@ -468,21 +468,11 @@ def loop(run, it, progress, dtype):
             break
 
         step_loss = forward_backward(run, it)
-        # a non-finite loss (a spike, an overflow) would poison the weights: skip the step instead
-        if not all_ranks(torch.isfinite(step_loss).float(), dist.ReduceOp.MIN).item():
-            run.optimizer.zero_grad(set_to_none=True)
-            bad_steps, skipped = bad_steps + 1, skipped + 1
-            log(f"iter {it}: loss is {step_loss.item()}: step skipped ({bad_steps} in a row)")
-            if bad_steps >= cfg.max_bad_steps:
-                if MASTER:
-                    print(f"train.py: stopping: the loss was not finite for {bad_steps} steps in a row; "
-                          f"{kept(ckpt_path, saved_at)}: lower learning_rate, raise warmup_iters or set grad_clip",
-                          file=sys.stderr)
-                return 1
-            it += 1
-            continue
-        bad_steps = 0
-        optimizer_step(run.model, run.optimizer, run.scaler, cfg.grad_clip)
+        # a non-finite loss (a spike, an overflow) would poison the weights: the step is skipped and
+        # counted on the device, and the host stops the run at a log line if too many came in a row
+        bad = all_ranks((~torch.isfinite(step_loss)).float(), dist.ReduceOp.MAX)
+        skips.add(bad)
+        optimizer_step(run.model, run.optimizer, run.scaler, cfg.grad_clip, bad)
         it += 1
         if (n := budget.fit(cfg, it, device)) is not None:  # --max_time: the length that fits, one for all ranks
             n = int(all_ranks(torch.tensor(float(n), device=device), dist.ReduceOp.MIN).item())
@@ -491,7 +481,14 @@ def loop(run, it, progress, dtype):
             log(f"max_time={cfg.max_time}: {n} iterations fit ({budget.dt * 1000:.1f} ms each, {budget.eval_s:.1f} s "
                 "an evaluation with its checkpoints); the learning rate decays until then")
 
-        if (it % cfg.log_interval == 0 or it == started + 1) and MASTER:  # the first as soon as it is timed
+        looking = it % cfg.log_interval == 0 or it == started + 1  # the host waits for the device only here
+        if (looking or it == cfg.max_iters) and (in_row := skips.read(it)) >= cfg.max_bad_steps:
+            if MASTER:
+                print(f"train.py: stopping: the loss was not finite for {in_row} steps in a row; "
+                      f"{kept(ckpt_path, saved_at)}: lower learning_rate, raise warmup_iters or set grad_clip",
+                      file=sys.stderr)
+            return 1
+        if looking and MASTER:  # the first as soon as it is timed
             sync(device)
             dt = (time.time() - t0) / (it - t0_iter)  # fewer than log_interval after a resume or an eval
             t0, t0_iter, loss, util = time.time(), it, step_loss.item(), mfu(dt)
@@ -506,7 +503,7 @@ def loop(run, it, progress, dtype):
         flat = torch.cat([p.detach().float().flatten() for p in run.raw_model.parameters()])
         spread = all_ranks(torch.stack((flat, -flat)), dist.ReduceOp.MAX)
         log(f"ranks agree: max parameter difference {(spread[0] + spread[1]).max().item():.3g}")
-    log(f"done: {it} iterations ({skipped} skipped), best val loss {progress['best_val_loss']:.4f}, "
+    log(f"done: {it} iterations ({skips.seen} skipped), best val loss {progress['best_val_loss']:.4f}, "
         f"{time.time() - t_start:.1f} s")
     return 0
 
