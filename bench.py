@@ -5,6 +5,7 @@ Every benchmark, one per name. Each measures its baseline in the same run, on th
     python bench.py sample --out_dir=out-shakespeare-char-cpu   # decoding speed; what int8 costs a run
     python bench.py sample --out_dir=out-shakespeare-char --draft_dir=out-small --draft_k=4   # speculative
     python bench.py attention --seqs=1024,4096 --dims=64     # the Triton kernel against torch's (CUDA only)
+    python bench.py stream --lengths=1024,4096,16384   # decoding long sequences: softmax, window + sinks, linear
 
 Settings are given as in the other scripts: --key=value, or a config file. A list (--seqs, --dims)
 is written with commas, --seqs=1024,4096, and one value alone as --seqs=1024.
@@ -37,7 +38,7 @@ from data import batch_rng, get_batch, load_data, new_model_config, special_toke
 from device import compile_decode, peak_flops, pick_device, pick_dtype, precision, precision_name, timed
 from optim import make_optimizer, optimizer_step
 from train import TRAIN_RANGES, TrainConfig
-from model import ModelConfig, Transformer, attn_impl
+from model import KVCache, LinearState, ModelConfig, Transformer, attn_impl, autocast_dtype, reach
 from quantize import Int8Linear, decode_layout, quantize_int8
 from sample import SampleConfig, load_draft
 from speculative import speculative_generate
@@ -453,11 +454,72 @@ def attention(argv):
 
 
 # ----------------------------------------------------------------------------------------------
+# Long sequences: python bench.py stream [--lengths=1024,4096,16384]
+
+@dataclass
+class StreamConfig:
+    lengths: tuple | int = (1024, 4096, 16384)  # positions read before each timing: --lengths=1024,4096
+    steps: int = 64  # decoding steps timed after them
+    window: int = 512  # the windowed model's window...
+    n_global: int = 4  # ...and its global tokens, the sinks
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+def streaming(argv):
+    """Decoding tokens/s and the memory of the KV cache (or of linear attention's state) after each
+    length, at batch 1: full softmax attention, a sliding window with global tokens (sinks), and
+    linear attention, on a 4-layer model with random weights and RoPE. Every model reads its
+    sequence in pieces of 512, then decodes `steps` tokens greedily, timed."""
+    cfg = StreamConfig(**parse_settings(argv, StreamConfig)[0])
+    check_ranges(cfg, dict(steps="[1, inf)", window="[1, inf)", n_global="[0, inf)"))
+    lengths, device = sizes(cfg, "lengths"), pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    weights, autocast = precision(dtype, device)
+    base = dict(vocab_size=4096, n_layer=4, n_head=4, n_embd=256, pos="rope", block_size=max(lengths) + cfg.steps)
+    models = {"softmax, full": {}, f"window {cfg.window} + {cfg.n_global} global": dict(
+        window=cfg.window, n_global=cfg.n_global), "linear": dict(attention="linear")}
+    print(f"decoding at batch 1 after L positions: 4 layers, width 256, 4 heads (RoPE), random weights, "
+          f"{precision_name(weights, dtype)} on {device}; {cfg.steps} greedy steps timed")
+    print(f"{'attention':<24} | {'L':>6} | {'tokens/s':>8} | {'cache or state':>14}")
+    for name, kw in models.items():
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(**base | kw)).eval().to(device, weights)
+        for L in lengths:
+            with torch.no_grad(), autocast:
+                tps, nbytes = stream_speed(model, L, cfg.steps, device)
+            print(f"{name:<24} | {L:>6} | {tps:>8.1f} | {nbytes / 2**20:>10.2f} MiB", flush=True)
+    return 0
+
+
+def stream_speed(model, L, steps, device, piece=512):
+    """Tokens/s of `steps` decoding steps after L random tokens, and the bytes the cache holds."""
+    size, c = model.cache_size(L, steps), model.config
+    model.setup_kv_cache(1, size, dtype=autocast_dtype(device))
+    if L + steps > size:  # a ring that wraps takes pieces that overwrite no key their queries see
+        piece = min(piece, size - c.n_global - reach(c) + 1)
+    idx = torch.randint(0, c.vocab_size, (1, L), device=device)
+    for s in range(0, L, piece):
+        logits = model(idx[:, s:s + piece], input_pos=torch.arange(s, min(L, s + piece), device=device))[0]
+    state = [logits[:, -1:].argmax(-1), torch.tensor([[L]], device=device)]  # the next token, its position
+
+    def decode():
+        for _ in range(steps):
+            state[:] = model.decode(*state).argmax(-1, keepdim=True), state[1] + 1
+    seconds = timed(decode, device)[1]
+    cache = [b for m in model.modules() if isinstance(m, (KVCache, LinearState)) for b in m.buffers()]
+    nbytes = sum(b.numel() * b.element_size() for b in cache + [model.decoder.cache_pos] if b is not None)
+    model.clear_kv_cache()
+    return steps / seconds, nbytes
+
+
+# ----------------------------------------------------------------------------------------------
 
 # each benchmark: its function, and the settings it parses (which --help lists) but those it skips
 BENCHES = {"train": (training, (TrainConfig, ModelConfig), ("vocab_size",)),
            "sample": (decoding, (DecodeConfig,), ()),
-           "attention": (attention, (AttentionConfig,), ())}
+           "attention": (attention, (AttentionConfig,), ()),
+           "stream": (streaming, (StreamConfig,), ())}
 
 
 def main(argv):

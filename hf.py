@@ -246,7 +246,8 @@ def family_of(c):
             "bert": dict(norm="layernorm", norm_first=False, mlp="gelu"),
             "t5": dict(norm="rmsnorm", norm_first=True, bias=False, lm_head_bias=False),
             "llama": dict(norm="rmsnorm", norm_first=True, mlp="swiglu", bias=False, lm_head_bias=False)}
-    need = need.get(family, need["llama"]) | dict(qk_norm=False, logit_softcap=0.0)  # none of them has these
+    # none of them has these
+    need = need.get(family, need["llama"]) | dict(qk_norm=False, logit_softcap=0.0, attention="softmax", n_global=0)
     if family in ("gpt2", "bert", "t5"):  # no grouped-query attention, no sliding window
         need |= dict(n_kv_head=c.n_head, window=0)
     if family in ("gpt2", "bert"):

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from sampling import sample
 
 ARCHS = ("decoder", "encoder", "encoder-decoder")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
@@ -27,6 +28,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "relu2", "swiglu", "geglu")
 GELUS = ("tanh", "none")
 ATTN_IMPLS = ("auto", "triton", "sdpa", "math")
+ATTENTIONS = ("softmax", "linear")
 
 
 @dataclass
@@ -53,7 +55,9 @@ class ModelConfig:
     n_expert: int = 0  # 0 = dense MLP; > 0 = mixture of this many expert MLPs
     expert_top_k: int = 2  # experts each token is routed to
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss in the training loss
+    attention: str = "softmax"  # or "linear": phi(q) phi(k)ᵀ, phi = elu + 1, O(T) (Katharopoulos et al. 2020)
     window: int = 0  # sliding-window attention: keys fewer than `window` positions away; 0 = all
+    n_global: int = 0  # with a window: the first n_global positions are seen by all (Longformer), sinks when decoding
     bias: bool = True  # biases in Linear and LayerNorm (GPT-2, BERT: True; Llama, T5: False)
     dropout: float = 0.0
     tie_embeddings: bool = True  # the output layer reuses the token embedding matrix
@@ -65,7 +69,7 @@ class ModelConfig:
 
     def __post_init__(self):
         for name, choices in [("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS),
-                              ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS)]:
+                              ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS), ("attention", ATTENTIONS)]:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known: choose one of "
                                  + ", ".join(map(repr, choices)))
@@ -113,6 +117,18 @@ class ModelConfig:
         if self.attn_impl == "triton" and self.dropout:
             raise ValueError("the Triton kernel does not drop attention weights: set dropout=0, or use "
                              "attn_impl='auto', which trains with dropout through SDPA")
+        linear = self.attention == "linear"
+        for wrong, problem in [  # settings that cannot go together: the problem and the way out
+            (linear and self.pos in ("alibi", "relative"), f"pos={self.pos!r} adds a bias to attention scores, "
+             "which linear attention has none of: choose pos='rope', 'learned', 'sinusoidal' or 'none'"),
+            (linear and self.window, "linear attention sums over every key it sees: it has no window (set window=0)"),
+            (linear and self.n_global, "linear attention has no window for global tokens: set n_global=0"),
+            (self.n_global < 0 or self.n_global and not self.window, f"n_global={self.n_global}: global tokens "
+             "are seen from a window's queries (Longformer): set window, or n_global=0"),
+            (self.attn_impl == "triton" and (linear or self.n_global), "the Triton kernel has neither linear "
+             "attention nor global tokens: use attn_impl='auto' (SDPA) or 'sdpa'")]:
+            if wrong:
+                raise ValueError(problem)
         if self.rope_scaling <= 0 or self.rope_theta <= 0:
             raise ValueError("rope_theta and rope_scaling must be positive (rope_scaling=1 means no scaling)")
 
@@ -186,7 +202,7 @@ class Mask(NamedTuple):
     alibi: torch.Tensor | None = None  # (nh,) ALiBi slopes
     valid: torch.Tensor | None = None  # (B, Tk) False for padding keys
     bias: torch.Tensor | None = None  # the dense form; None when nothing or `causal` alone applies
-    impl: str = "sdpa"  # "triton" (takes the pieces), "sdpa" or "math" (take causal and bias)
+    impl: str = "sdpa"  # "triton" (takes the pieces), "sdpa" or "math" (take causal and bias), "linear"
     slots: torch.Tensor | None = None  # (Tq,) while generating: the KV cache slots the queries' keys go to
 
 
@@ -208,7 +224,7 @@ def attn_impl(config, device, training, mask, Tq):
         return config.attn_impl
     plain = mask.bias is None and not mask.window and mask.alibi is None and mask.valid is None
     faster = not plain and config.block_size >= KERNEL_MIN_CONTEXT and Tq >= KERNEL_MIN_QUERIES
-    applies = (config.pos != "relative" and not (training and config.dropout)
+    applies = (config.pos != "relative" and not (training and config.dropout) and not config.n_global
                and config.head_size <= kernels.MAX_HEAD_SIZE)
     on_gpu = device.type == "cuda" and kernels.available and faster and applies
     return "triton" if on_gpu and torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
@@ -219,11 +235,13 @@ def autocast_dtype(device, default=None):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else default
 
 
-def attention(q, k, v, mask, dropout=0.0):
+def attention(q, k, v, mask, dropout=0.0, state=None):
     """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs),
     on the path mask.impl. Each group of nh / n_kv_head query heads shares one key/value head
     (grouped-query attention). Returns the output (B, nh, Tq, hs) and, on the math path, the
-    weights (B, nh, Tq, Tk)."""
+    weights (B, nh, Tq, Tk). Linear attention has no weights; state: its LinearState, generating."""
+    if mask.impl == "linear":
+        return linear_attention(q, k, v, mask.causal, mask.valid, state), None
     if mask.impl == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
         dtype = autocast_dtype(q.device, q.dtype)  # autocast casts SDPA's inputs, not a custom op's
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -278,6 +296,48 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
+def linear_attention(q, k, v, causal, valid=None, state=None, chunk=64):
+    """Linear attention (Katharopoulos et al. 2020): exp(q·k) becomes phi(q)·phi(k), phi = elu + 1 > 0,
+    so the sum over keys regroups: y_i = phi(q_i) S / phi(q_i)·z with S = Σ_j phi(k_j) v_jᵀ (hs x hs)
+    and z = Σ_j phi(k_j) over the keys j that query i sees. Bidirectional: one S and z for all.
+    Causal, in chunks of `chunk` positions: within a chunk the masked products, as softmax attention
+    takes them; from the chunks before, their summed states. Memory is O(T), never T x T. q (B, nh,
+    T, hs), k, v (B, n_kv_head, T, hs); valid (B, T): False for padding keys, which add nothing.
+    state (generating): the sums of the tokens before, which the keys continue, then join."""
+    dtype = q.dtype
+    q = (F.elu(q.float()) + 1).unflatten(1, (k.size(1), -1))  # (B, nkv, g, T, hs): g heads share a key head
+    k, v = (F.elu(k.float()) + 1)[:, :, None], v.float()[:, :, None]  # (B, nkv, 1, T, hs)
+    if valid is not None:
+        k, v = (torch.where(valid[:, None, None, :, None], t, 0) for t in (k, v))
+    if not causal:
+        y = (q @ (k.mT @ v)) / (q @ k.sum(-2)[..., None] + 1e-6)
+        return y.flatten(1, 2).to(dtype)
+    T = q.size(-2)
+    C = min(chunk, T)
+    q, k, v = (F.pad(t, (0, 0, 0, -T % C)).unflatten(3, (-1, C)) for t in (q, k, v))  # (..., n, C, hs)
+    kv, kz = k.mT @ v, k.sum(-2)  # each chunk's sums: (B, nkv, 1, n, hs, hs) and (B, nkv, 1, n, hs)
+    S0, z0 = (0, 0) if state is None else (state.S[:, :, None, None], state.z[:, :, None, None])
+    S, z = S0 + kv.cumsum(3) - kv, z0 + kz.cumsum(3) - kz  # the sums of the chunks before each
+    att = (q @ k.mT).tril()  # (B, nkv, g, n, C, C): within a chunk, each query up to itself
+    y = (att @ v + q @ S) / (att.sum(-1, keepdim=True) + q @ z[..., None] + 1e-6)
+    if state is not None:
+        state.S += kv.sum(3)[:, :, 0]
+        state.z += kz.sum(3)[:, :, 0]
+    return y.flatten(3, 4)[..., :T, :].flatten(1, 2).to(dtype)  # (B, nh, T, hs)
+
+
+class LinearState(nn.Module):
+    """Linear attention's memory while generating, in place of a KV cache: S = Σ phi(k) vᵀ (B,
+    n_kv_head, hs, hs) and z = Σ phi(k) (B, n_kv_head, hs) over the tokens so far, in fp32 (sums of
+    many terms). Its size stays the same however long the sequence grows."""
+
+    def __init__(self, batch_size, n_kv_head, head_size, device):
+        super().__init__()
+        shape = (batch_size, n_kv_head, head_size)
+        self.register_buffer("S", torch.zeros(*shape, head_size, device=device), persistent=False)
+        self.register_buffer("z", torch.zeros(shape, device=device), persistent=False)
+
+
 class Attention(nn.Module):
     """Multi-head attention: self-attention over x, or cross-attention from x to an encoder's output.
     Only n_kv_head key/value heads are projected and cached (GQA/MQA)."""
@@ -296,6 +356,7 @@ class Attention(nn.Module):
         # both set by Transformer.setup_kv_cache while generating
         self.kv_cache = None  # self-attention: a KVCache of the keys and values seen so far
         self.memory_kv = None  # cross-attention: (k, v) of the encoder's output, computed once
+        self.state = None  # linear self-attention: a LinearState, in place of kv_cache
         self.weights_hook = None  # sample.py's attention page: a function given the math path's weights
 
     def heads(self, x):
@@ -321,7 +382,7 @@ class Attention(nn.Module):
             if self.kv_cache is not None:
                 k, v = self.kv_cache(k, v, mask.slots)
         dropout = c.dropout if self.training else 0.0
-        y, att = attention(q, k, v, mask, dropout)  # on the path the stack chose for this mask
+        y, att = attention(q, k, v, mask, dropout, self.state)  # on the path the stack chose for this mask
         if self.weights_hook is not None and att is not None:
             self.weights_hook(att.detach())
         y = y.transpose(1, 2).flatten(2)  # (B, nh, T, hs) -> (B, T, nh * hs): heads side by side
@@ -454,7 +515,8 @@ class Stack(nn.Module):
         if self.cache_pos is not None:  # generating: the keys go into the cache's ring, where the
             if T > self.cache_pos.size(1):  # queries see every slot, by the position it holds
                 raise ValueError(f"{T} tokens overflow a KV cache of {self.cache_pos.size(1)} slots: use prefill")
-            slots = own = pos.amax(0) % self.cache_pos.size(1)
+            p, g = pos.amax(0), c.n_global  # global tokens keep the first slots: attention sinks
+            slots = own = torch.where(p < g, p, g + (p - g) % (self.cache_pos.size(1) - g))
             self.cache_pos.index_copy_(1, slots, keys.expand(x.size(0), T))
             keys = self.cache_pos
         window = c.window if slots is None else reach(c)
@@ -473,6 +535,8 @@ class Stack(nn.Module):
         """The self-attention mask of the queries at pos (B|1, Tq) over the keys at keys (B|1, Tk)
         (valid (B, Tq): False for padding; slots: where a KV cache keeps the keys) with its attention
         path, chosen once here for every layer, and built once in that path's form."""
+        if self.config.attention == "linear":  # no scores to mask: causal or not, and which keys are padding
+            return Mask(self.causal, valid=valid, impl="linear")
         pieces = self.pieces(window, valid)
         impl = attn_impl(self.config, pos.device, self.training, pieces, pos.size(1))
         if impl == "triton" and slots is None:  # the kernel reads keys in order, not from a ring
@@ -495,8 +559,9 @@ class Stack(nn.Module):
         c = self.config
         dist = pos[:, :, None] - keys[:, None, :]  # (B|1, Tq, Tk) query position - key position
         see = (keys >= 0)[:, None, :] & ((dist >= 0) if self.causal else True)
-        if window:
-            see = see & (dist.abs() < window)
+        if window:  # global tokens are seen by every query, and in an encoder see every key (Longformer)
+            glob = (keys < c.n_global)[:, None, :] | ((pos < c.n_global)[:, :, None] & (not self.causal))
+            see = see & ((dist.abs() < window) | glob)
         see = see | (torch.arange(keys.size(1), device=keys.device) == own[:, None])
         bias = 0.0
         if c.pos == "alibi":
@@ -605,29 +670,37 @@ class Transformer(nn.Module):
         dev = self.wte.weight.device
         dtype = dtype or self.wte.weight.dtype
         c = self.config
+        linear = c.attention == "linear"  # a state of fixed size per layer instead
         for block in self.decoder.h:
-            block.attn.kv_cache = KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev)
+            if linear:
+                block.attn.state = LinearState(batch_size, c.n_kv_head, c.head_size, dev)
+            else:
+                block.attn.kv_cache = KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev)
             if memory is not None:
                 block.cross_attn.memory_kv = block.cross_attn.kv(memory)
-        self.decoder.cache_pos = torch.full((batch_size, size), -1, device=dev)
+        self.decoder.cache_pos = None if linear else torch.full((batch_size, size), -1, device=dev)
 
     def clear_kv_cache(self):
         for attn in (m for m in self.decoder.modules() if isinstance(m, Attention)):
-            attn.kv_cache = attn.memory_kv = None
+            attn.kv_cache = attn.memory_kv = attn.state = None
         self.decoder.cache_pos = None
 
     def rollback_kv_cache(self, n):
         """Forget the newest n positions of the cache (draft tokens that the target rejected): their
         slots are marked empty, and the next tokens, at the same positions, overwrite them."""
         pos = self.decoder.cache_pos
+        if pos is None:
+            raise ValueError("linear attention's state cannot forget tokens: no speculative decoding with it")
         pos.masked_fill_(pos > pos.amax(dim=1, keepdim=True) - n, -1)
 
     cache_step = 1  # cache sizes are rounded up to a multiple of this; compile_decode makes it 256
 
     def cache_size(self, prompt, new):
         """Slots of a cache for a prompt and new tokens: every position, or the last that a query
-        sees (reach), with room for a prompt longer than that to go in by pieces (see prefill)."""
-        size = min(prompt + new, reach(self.config)) + (reach(self.config) if prompt > reach(self.config) else 0)
+        sees (reach), with room for a prompt longer than that to go in by pieces (see prefill), and
+        for the global tokens, which the ring keeps beside it."""
+        r = reach(self.config)
+        size = self.config.n_global + min(prompt + new, r) + (r if prompt > r else 0)
         return self.cache_step * math.ceil(size / self.cache_step)
 
     @property
@@ -640,13 +713,14 @@ class Transformer(nn.Module):
         """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), idx going
         into a fresh KV cache. A prompt longer than the cache goes in by pieces: the first fills the
         ring, each next one overwrites only keys that none of its queries sees. Attention's memory is
-        then O(size^2), not O(T^2)."""
-        s, n = 0, self.decoder.cache_pos.size(1)  # an empty ring takes as many tokens as it has slots
+        then O(size^2), not O(T^2). Linear attention's state takes the prompt in one piece."""
+        cache_pos, g = self.decoder.cache_pos, self.config.n_global
+        s, n = 0, idx.size(1) if cache_pos is None else cache_pos.size(1)  # an empty ring fills all its slots
         while s < idx.size(1):
             piece = slice(s, s + n)
             logits = self(idx[:, piece], mask=None if mask is None else mask[:, piece], src_mask=src_mask,
                           input_pos=input_pos[..., piece])[0]
-            s, n = s + n, max(1, self.decoder.cache_pos.size(1) - reach(self.config) + 1)
+            s, n = s + n, max(1, n if cache_pos is None else cache_pos.size(1) - g - reach(self.config) + 1)
         return logits[:, -1]
 
     def decode(self, idx, input_pos, src_mask=None):
@@ -707,34 +781,3 @@ class Transformer(nn.Module):
                     logits = self.decode(idx_next, pos, src_mask)
         finally:
             self.clear_kv_cache()
-
-
-def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
-    """The distribution to draw from, (B, V) -> (B, V): logits / temperature, cut to the top_k
-    tokens and to the smallest set whose probability reaches top_p. temperature=0 is the argmax."""
-    if temperature == 0:
-        return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()
-    logits = logits.float() / temperature
-    if top_k is not None:  # keep the k most likely tokens
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # a slice: no index tensor to copy
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:  # nucleus: the most likely tokens whose probabilities reach top_p
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        outside = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token already reaches p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
-    return logits.softmax(dim=-1)
-
-
-def draw(probs):
-    """One token per row of probs (B, V) -> (B, 1). argmax of p_i / e_i with e_i ~ Exp(1) picks token
-    i with probability p_i (the Gumbel-max trick) and, unlike torch.multinomial, never waits for
-    the device."""
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1, keepdim=True)
-
-
-def sample(logits, temperature=1.0, top_k=None, top_p=None):
-    """Draw one token per row of logits (B, V) -> (B, 1), with no device-to-host sync."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    return draw(sampling_probs(logits, temperature, top_k, top_p))

@@ -32,9 +32,9 @@ import torch
 from checkpoint import describe, for_sampling, load_model, load_run
 from common import UsageError, check_ranges, parse_settings, usage
 from device import compile_decode, out_of_memory, pick_device, pick_dtype, precision, precision_name, timed
-from model import sample
 from pages import write_attention
 from quantize import Int8Linear
+from sampling import sample
 from speculative import speculative_generate
 
 MASK = "[MASK]"
@@ -117,8 +117,13 @@ def main(argv):
         raise UsageError(f"an {arch} fills in blanks, one prompt at a time: leave out --batch and --draft_dir")
     if MASK not in prompt and arch != "decoder":
         raise UsageError(f"an {arch} fills in blanks: put {MASK} in --start where text is missing")
+    if cfg.attention and model.config.attention == "linear":
+        raise UsageError("linear attention has no attention weights to draw: leave out --attention")
     if cfg.draft_dir:  # each mode: (model, tok, prompt, cfg, device) -> Result
-        mode = partial(speculate, draft=load_draft(cfg.draft_dir, model, tok, device, cfg.quantize, cfg.ckpt))
+        draft = load_draft(cfg.draft_dir, model, tok, device, cfg.quantize, cfg.ckpt)
+        if "linear" in (model.config.attention, draft.config.attention):
+            raise UsageError("linear attention's state cannot take back rejected draft tokens: leave out --draft_dir")
+        mode = partial(speculate, draft=draft)
     elif cfg.batch:
         mode = continue_batch
     else:

@@ -7,7 +7,8 @@ KV cache, which rolls back what the target rejects.
 
 import torch
 
-from model import autocast_dtype, draw, sampling_probs
+from model import autocast_dtype
+from sampling import draw, sampling_probs
 
 
 def accept_or_resample(p, q, drafted):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import model as model_module
-from model import POSITIONS, KVCache, Transformer, sample
+from model import POSITIONS, KVCache, Transformer
+from sampling import sample
 from speculative import accept_or_resample, speculative_generate
 
 V = 61  # tiny_model's vocabulary

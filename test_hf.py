@@ -328,6 +328,8 @@ def test_import_refusals_name_the_feature(config, feature, tmp_path):
     (dict(mlp="relu2"), "mlp='relu2'"),
     (dict(qk_norm=True), "qk_norm=True"),
     (dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, logit_softcap=15.0), "logit_softcap=15.0"),
+    (dict(attention="linear"), "attention='linear'"),
+    (dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, window=8, n_global=2), "n_global=2"),
 ])
 def test_export_refusals_name_the_feature(config, feature, tmp_path, tiny_model):
     with pytest.raises(hf.HFError, match=feature) as e:

@@ -430,6 +430,7 @@ def test_auto_takes_the_kernel_on_cuda_only_where_it_applies(monkeypatch):
     assert pick("cuda", Tq=1) == pick("cuda", Tq=63, mask=alibi) == "sdpa" and pick("cuda", Tq=64) == kernel
     assert pick("cuda", Tq=1, attn_impl="triton") == "triton"
     assert pick("cuda", pos="relative") == "sdpa"  # no T5 bias in the kernel
+    assert pick("cuda", window=8, n_global=2) == "sdpa"  # nor global tokens: SDPA takes them in its dense bias
     assert pick("cuda", training=True, dropout=0.1) == "sdpa" and pick("cuda", dropout=0.1) == kernel
     assert pick("cuda", n_embd=512, n_head=4) == kernel and pick("cuda", n_embd=1024, n_head=4) == "sdpa"  # hs 256
     assert pick("cuda", attn_impl="math") == "math"

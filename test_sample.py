@@ -20,7 +20,7 @@ import common
 import sample
 import train
 from data import new_model_config
-from model import Transformer
+from model import ModelConfig, Transformer
 from quantize import quantize_int8
 
 # what sample.py prints on stderr before it samples: the checkpoint it loaded (its iteration, val loss)
@@ -211,6 +211,10 @@ def every_arch(target_and_draft):
         os.makedirs(d / f"out-{arch}", exist_ok=True)
         torch.save({**ckpt, "model_config": asdict(config), "model": Transformer(config).state_dict()},
                    d / f"out-{arch}" / "ckpt.pt")
+    linear = ModelConfig(**ckpt["model_config"] | dict(attention="linear"))  # the target's shapes, linear attention
+    os.makedirs(d / "out-linear", exist_ok=True)
+    torch.save({**ckpt, "model_config": asdict(linear), "model": Transformer(linear).state_dict()},
+               d / "out-linear" / "ckpt.pt")
     (d / "two.txt").write_text("ROMEO:\nLEAR: Blood\n")
     return d
 
@@ -246,9 +250,20 @@ def test_every_sample_mode_gives_a_result_one_summary_line_and_its_first_sequenc
     (["--out_dir=out-target", "--start=FILE:two.txt", "--batch", "--draft_dir=out-draft"], "leave out --batch"),
     (["--out_dir=out-encoder", "--start=[MASK]", "--draft_dir=out-draft"], "an encoder fills in blanks"),
     (["--out_dir=out-target", "--draft_dir=out-encoder"], "out-encoder is an encoder: give --draft_dir a small decoder"),
-], ids=["batch", "encoder-target", "encoder-draft"])
+    (["--out_dir=out-target", "--draft_dir=out-linear"], "linear attention's state cannot take back rejected draft"),
+    (["--out_dir=out-linear", "--attention=attn.html"], "linear attention has no attention weights to draw"),
+], ids=["batch", "encoder-target", "encoder-draft", "linear-draft", "linear-page"])
 def test_sample_refuses_what_speculative_decoding_cannot_do_before_it_starts(every_arch, args, message, refusal):
     refusal(sample.main, args, message, cwd=every_arch)
+
+
+def test_a_linear_attention_decoder_samples_what_its_generate_gives(every_arch, in_process, capsys):
+    capsys.readouterr()
+    assert in_process(sample.main, ["--out_dir=out-linear", "--start=LEAR:", "--max_new_tokens=6", "--temperature=0",
+                                    "--num_samples=1"], cwd=every_arch) == 0
+    model, tok, _ = checkpoint.load_model(every_arch / "out-linear", torch.device("cpu"))
+    want = tok.decode(model.generate(torch.tensor([tok.encode("LEAR:")]), 6, temperature=0)[0].tolist())
+    assert capsys.readouterr().out.startswith(want)
 
 
 def test_sample_keeps_the_traceback_of_a_value_error_that_a_bug_raises(target_and_draft, run):

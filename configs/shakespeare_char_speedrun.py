@@ -12,6 +12,7 @@ logit_softcap = 15.0
 optimizer = "muon"
 learning_rate = 3e-3  # AdamW's peak: embeddings, head, norms
 muon_lr = 0.02
+batch_size = 24  # 1536 tokens an iteration: Muon's fixed cost per step spread over more tokens
 warmup_iters = 50
 max_iters = 100000  # --max_time sets the length; this only caps it
 eval_interval = 250
