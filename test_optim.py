@@ -4,6 +4,7 @@ momentum warms up; a run with --optimizer=muon learns and resumes exactly, its c
 with weights_only=True; --max_time fits a run's length to its budget, which a resume keeps. (The
 schedule and AdamW's runs: test_train.py.)"""
 
+import copy
 import dataclasses
 import re
 import shutil
@@ -53,6 +54,30 @@ def test_muon_momentum_warms_up_and_its_step_is_the_orthogonalised_nesterov_mome
     torch.testing.assert_close(opt.state[p]["momentum_buffer"], buf)
     want = -0.1 * (8 / 4) ** 0.5 * optim.orthogonalize(g.lerp(buf, beta)[None])[0]  # tall: scaled by sqrt(rows/cols)
     torch.testing.assert_close(p.detach(), want)
+
+
+@pytest.mark.parametrize("optimizer, fused", [("adamw", True), ("adamw", False), ("muon", True), ("muon", False)])
+def test_a_step_flagged_on_the_device_leaves_weights_and_state_as_they_were(tiny_model, optimizer, fused):
+    """optimizer_step's skip (a tensor, never read by the host where the optimizer takes it): a
+    flagged step, its gradients nan, changes nothing, and the next step is the one it would have been."""
+    model, cfg = tiny_model(tie_embeddings=False), train.TrainConfig(optimizer=optimizer)
+    twin = copy.deepcopy(model)
+    opts = [optim.make_optimizer(m, cfg, fused=fused) for m in (model, twin)]
+    loss = lambda m: m(torch.arange(8)[None], targets=torch.arange(1, 9)[None])[1]  # noqa: E731
+    for m, opt in zip((model, twin), opts):
+        loss(m).backward()
+        optim.optimizer_step(m, opt, torch.amp.GradScaler(enabled=False), 1.0, torch.tensor(0.0))
+    before = copy.deepcopy((model.state_dict(), opts[0].state_dict()))
+    (loss(model) * float("nan")).backward()
+    optim.optimizer_step(model, opts[0], torch.amp.GradScaler(enabled=False), 1.0, torch.tensor(1.0))
+    after = (model.state_dict(), opts[0].state_dict())
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    flat = lambda sd: [t for s in sd["state"].values() for t in s.values()]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(flat(before[1]), flat(after[1])))
+    for m, opt in zip((model, twin), opts):  # one more real step on each: still twins
+        loss(m).backward()
+        optim.optimizer_step(m, opt, torch.amp.GradScaler(enabled=False), 1.0, torch.tensor(0.0))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
 
 
 def test_a_muon_run_learns_and_resumes_exactly(workdir, in_process, tiny_args):
