@@ -39,7 +39,7 @@ TINY = ["--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_siz
 # `-n 2 --dist loadfile` hands each file whole to one of the two workers, by default the files of
 # most tests first; a file of few but long tests handed out last runs alone at the end while the
 # other worker idles. So the files that take longest go first, in this order, the rest after them.
-LONGEST_FIRST = ["test_kernels.py", "test_train.py", "test_generate.py", "test_checkpoint.py"]
+LONGEST_FIRST = ["test_kernels.py", "test_train.py", "test_generate.py", "test_distributed.py", "test_checkpoint.py"]
 
 
 def pytest_configure(config):

@@ -20,6 +20,7 @@ from torch.optim.adamw import adamw
 
 from common import UsageError
 from device import sync
+from distributed import slice_like, whole
 
 # Newton-Schulz quintic coefficients of Muon's orthogonalisation (Keller Jordan's, tuned for the
 # steepest slope at zero: the singular values land near 1, between about 0.7 and 1.2)
@@ -194,7 +195,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, defaults)
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):  # closure: unused (torch.distributed.checkpoint passes None)
         found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -232,8 +233,10 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = state["momentum_buffer"].lerp_(grad, (1 - beta) * keep)
             by_shape.setdefault(p.shape, []).append((p, grad.lerp(buf, beta)))  # Nesterov
         for shape, pairs in by_shape.items():
-            update = orthogonalize(torch.stack([u for _, u in pairs]).float(), group["ns_steps"])
+            # under FSDP a rank holds a slice of each matrix (shape is the whole one's): every rank
+            # gathers the whole matrices, orthogonalises them alike and keeps its slice of the update
+            update = orthogonalize(torch.stack([whole(u) for _, u in pairs]).float(), group["ns_steps"])
             scale = max(1.0, shape[-2] / shape[-1]) ** 0.5
             for (p, _), u in zip(pairs, update):
                 p.mul_(1 - group["lr"] * group["weight_decay"] * keep)
-                p.addcmul_(u.to(p.dtype), keep, value=-group["lr"] * scale)
+                p.addcmul_(slice_like(u.to(p.dtype), p), keep, value=-group["lr"] * scale)

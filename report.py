@@ -20,6 +20,7 @@ import torch
 
 from common import UsageError, write_atomic
 from data import span_corrupt
+from distributed import sharded
 from tokenizer import Tokenizer
 
 SAMPLE_PROMPT, SAMPLE_NEW = 32, 128  # the page's sample: tokens of val data it starts from, tokens it adds
@@ -91,8 +92,13 @@ class Report:
     def evaluation(self, it, losses):
         """Record an evaluation, then rewrite the page with a greedy sample of the model as it is now."""
         self.add(it, train_loss=losses["train"], val_loss=losses["val"])
-        with self.run.autocast:
-            pieces = greedy_sample(self.run.raw_model, self.run.data["val"], self.run.tokens, Tokenizer(self.run.meta))
+        if sharded(self.run.raw_model):  # rank 0 alone would wait for the others to gather each weight
+            pieces = [("(none under --fsdp=True, where rank 0 holds a slice of each weight: sample.py samples "
+                       f"{self.run.cfg.out_dir}'s checkpoints)", False)]
+        else:
+            with self.run.autocast:
+                pieces = greedy_sample(self.run.raw_model, self.run.data["val"], self.run.tokens,
+                                       Tokenizer(self.run.meta))
         self.write(self.page, self.render(pieces))
 
     def write(self, path, text, append=False):

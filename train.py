@@ -4,6 +4,7 @@ Train any member of the family on one device or many.
     python train.py configs/shakespeare_char_cpu.py
     python train.py configs/shakespeare_char.py --n_layer=4 --pos=rope --max_iters=2000
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py
+    torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py --fsdp=True
 
 Settings come from TrainConfig (below) and ModelConfig (model.py); a config file is Python
 that assigns some of them, and --key=value overrides either. The objective follows the
@@ -39,6 +40,7 @@ from checkpoint import load_checkpoint, prepare_out_dir, save_atomic
 from common import UsageError, as_given, check_ranges, parse_settings, usage
 from data import batch_rng, eval_rng, get_batch, load_data, new_model_config, span_counts, special_tokens
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, set_rng_state, sync
+from distributed import all_ranks, finite, fully_shard, load_optimizer_state, memory_line, shard, sharded, state_dicts
 from model import ModelConfig, Transformer
 from optim import Budget, Skips, budget_seconds, lr_factor, make_optimizer, optimizer_step
 from report import Report, hms
@@ -90,6 +92,7 @@ class TrainConfig:
     compile: bool = False
     seed: int = 1337
     backend: str = "auto"  # distributed: "nccl" on CUDA, "gloo" on CPU
+    fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2), not DDP
 
 
 # the values each setting may take, beyond its type (grad_clip=0: no clipping)
@@ -115,15 +118,8 @@ def on_signal(signum, frame):
     signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C stops at once
 
 
-def all_ranks(x, op=dist.ReduceOp.SUM):
-    """x (a tensor) reduced over the ranks in place; x itself without DDP."""
-    if dist.is_initialized():
-        dist.all_reduce(x, op=op)
-    return x
-
-
 def stopping(device, agree=True):
-    """Whether a signal asks the run to stop. Under DDP all ranks stop together: they agree when
+    """Whether a signal asks the run to stop. Under torchrun all ranks stop together: they agree when
     asked to (agree), a wait for the device that one process does without."""
     if not dist.is_initialized():
         return bool(STOP)
@@ -168,8 +164,15 @@ def model_config_of(cfg, model_args, meta, ckpt):
     return config
 
 
-def check_fits(config, cfg, data, device, tokens):
+def check_fits(config, cfg, data, device, tokens, ddp):
     """Settings of the right kinds that still cannot train together, refused before any work."""
+    for wrong, problem in [  # --fsdp: what it needs
+            (cfg.fsdp and not ddp, "--fsdp=True shards the model over the processes that torchrun starts: run "
+             "torchrun --standalone --nproc_per_node=N train.py ... --fsdp=True"),
+            (cfg.fsdp and fully_shard is None, f"--fsdp=True needs FSDP2 (torch.distributed.fsdp.fully_shard, torch "
+             f"2.6 or later); this torch is {torch.__version__}: upgrade torch, or train under DDP without --fsdp")]:
+        if wrong:
+            raise UsageError(problem)
     L = config.block_size
     if config.arch == "encoder-decoder":  # span corruption: a part of each sequence, in spans, each a sentinel
         if L < 2:
@@ -198,7 +201,7 @@ class Run:
     data: dict
     meta: dict
     model: torch.nn.Module  # compiled and wrapped in DDP as asked
-    raw_model: Transformer  # the model itself, whose weights are saved
+    raw_model: Transformer  # the model itself (sharded in place under FSDP), whose weights are saved
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     tokens: dict  # the objectives' special tokens: a mask, a decoder start, sentinels
@@ -244,18 +247,19 @@ def evaluate(run, it):
 
 def save(run, path, iter_num, **progress):
     """Write a checkpoint of iteration iter_num, unless the weights are broken (then the last good
-    one stays). Under DDP every rank takes part, and rank 0 writes."""
-    if not all(torch.isfinite(p).all() for p in run.raw_model.parameters()):
+    one stays). Under DDP and FSDP every rank takes part, and rank 0 writes."""
+    if not finite(run.raw_model):
         log(f"not saving {path}: the weights are not finite; it keeps its last good state")
         return False
     states = [rng_state(run.device)]
     if dist.is_initialized():  # every rank's dropout state, so that each resumes where it stopped
         states = [None] * run.world
         dist.all_gather_object(states, {k: v.cpu() for k, v in rng_state(run.device).items()})
+    model_state, optimizer_state = state_dicts(run.raw_model, run.optimizer)  # whole, even under FSDP
     failed = None
     if MASTER:
         try:
-            save_atomic(dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+            save_atomic(dict(model=model_state, optimizer=optimizer_state,
                              scaler=run.scaler.state_dict(), model_config=asdict(run.raw_model.config),
                              train_config=asdict(run.cfg), rng=states, meta=run.meta,
                              tokens=run.tokens, iter_num=iter_num, **progress), path)
@@ -276,6 +280,8 @@ def forward_backward(run, it):
         b = batch(run, "train", batch_rng(run.cfg.seed, it, run.rank * accum + micro))
         if isinstance(run.model, DDP):  # average gradients across ranks only on the last micro-step
             run.model.require_backward_grad_sync = micro == accum - 1
+        elif sharded(run.raw_model):  # FSDP's reduce-scatter, likewise
+            run.raw_model.set_requires_gradient_sync(micro == accum - 1)
         with run.autocast:
             _, loss = run.model(**b)
         run.scaler.scale(loss / accum).backward()
@@ -344,30 +350,34 @@ def train(cfg, model_args, held, given=()):
         ckpt["model"] = model.state_dict()
     config = model_config_of(cfg, model_args, meta, ckpt)
     tokens = ckpt["tokens"] if ckpt else special_tokens(meta["vocab_size"])  # the objectives' own tokens
-    check_fits(config, cfg, data, device, tokens)
+    check_fits(config, cfg, data, device, tokens, ddp)
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
         dist.init_process_group(backend=cfg.backend if cfg.backend != "auto" else
                                 "nccl" if device.type == "cuda" else "gloo")
 
-    torch.manual_seed(cfg.seed + rank)  # each rank its own dropout; DDP copies rank 0's weights to all
+    torch.manual_seed(cfg.seed)  # the same weights on every rank: FSDP keeps each rank's slice of them
     model = Transformer(config).to(device)
+    if rank:  # each rank its own dropout
+        torch.manual_seed(cfg.seed + rank)
+    if ckpt is not None:
+        for k in [k for k in ckpt["model"] if k.endswith("wpe.weight")]:  # a shorter block_size: fewer positions
+            ckpt["model"][k] = ckpt["model"][k][: config.block_size]
+        model.load_state_dict(ckpt["model"])  # whole, before FSDP slices it
+    if cfg.fsdp:  # before the optimizer, which steps on the slices
+        shard(model, device, dtype)
     optimizer = make_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     # progress: the best val loss so far, and the iteration and val loss of the last full evaluation
     it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None, val_loss=None, fitted_iters=None)
-    if ckpt is not None:
-        for k in [k for k in ckpt["model"] if k.endswith("wpe.weight")]:  # a shorter block_size: fewer positions
-            ckpt["model"][k] = ckpt["model"][k][: config.block_size]
-        model.load_state_dict(ckpt["model"])
     if cfg.init_from == "resume":
-        it, progress = resume(ckpt, optimizer, scaler, rank, world, device)
+        it, progress = resume(ckpt, model, optimizer, scaler, rank, world, device)
         if it >= cfg.max_iters and not cfg.eval_only:
             log(f"{ckpt_path} is at iteration {it} of max_iters={cfg.max_iters}: nothing to do. To train on, raise "
                 f"--max_iters (and --lr_decay_iters, where the learning rate has decayed)")
             return 0
     del ckpt
     compiled = torch.compile(model) if cfg.compile else model
-    if ddp:  # experts a batch does not route to get no gradient, which DDP must be told
+    if ddp and not cfg.fsdp:  # experts a batch does not route to get no gradient, which DDP must be told
         compiled = DDP(compiled, device_ids=[local_rank] if device.type == "cuda" else None,
                        find_unused_parameters=config.n_expert > 0)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
@@ -377,11 +387,11 @@ def train(cfg, model_args, held, given=()):
     return loop(run, it, progress, dtype)
 
 
-def resume(ckpt, optimizer, scaler, rank, world, device):
+def resume(ckpt, model, optimizer, scaler, rank, world, device):
     """Put back the optimizer's moments, the gradient scale and this rank's random state from ckpt;
     returns the iteration to go on from and the progress the checkpoint kept."""
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(ckpt["optimizer"])  # the moments, and the checkpoint's betas and decay...
+    load_optimizer_state(model, optimizer, ckpt["optimizer"])  # the moments, and the checkpoint's betas and decay...
     for group, ours in zip(optimizer.param_groups, settings):  # ...which give way to this run's, as logged
         group.update(ours)
     if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
@@ -408,6 +418,8 @@ def start_line(run, dtype):
     n_params = sum(p.numel() for p in run.raw_model.parameters())
     log(f"{c.arch} with {n_params / 1e6:.2f}M parameters on {run.world} x {device} ({dtype}); {tokens_per_iter:,} "
         f"tokens per iteration" + (f"; MFU against {source}" if peak else ""))
+    if sharded(run.raw_model):
+        log(memory_line(run.optimizer, run.world))
     return tokens_per_iter, lambda dt: flops_per_iter / dt / peak if peak else None
 
 
@@ -499,7 +511,7 @@ def loop(run, it, progress, dtype):
 
     if writes and it != saved_at:
         save(run, ckpt_path, it, **progress)  # the final state, unless just saved
-    if dist.is_initialized():  # DDP keeps the replicas equal; check it, since a silent divergence would be costly
+    if isinstance(run.model, DDP):  # DDP keeps the replicas equal; check it: a silent divergence would be costly
         flat = torch.cat([p.detach().float().flatten() for p in run.raw_model.parameters()])
         spread = all_ranks(torch.stack((flat, -flat)), dist.ReduceOp.MAX)
         log(f"ranks agree: max parameter difference {(spread[0] + spread[1]).max().item():.3g}")

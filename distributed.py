@@ -1,0 +1,133 @@
+"""
+Training on many processes under torchrun: the collectives the loop waits on, and FSDP2
+(--fsdp=True), which shards the model and its optimizer over the ranks.
+
+Under DDP every rank holds every parameter, its gradient and AdamW's two moments: 16 bytes per
+parameter in fp32. FSDP2's `fully_shard` leaves each rank a 1/world slice of each (a DTensor
+sharded along dim 0). A block's weights are gathered just before it runs and freed after it; the
+rest (embeddings, final norms, heads) stay gathered from the forward pass to the backward; the
+gradients are reduce-scattered to their slices. The optimizer steps on the slices as they are;
+Muon, which needs whole matrices, gathers each (`whole`) and keeps its slice of the update
+(`slice_like`).
+
+Checkpoints stay whole and plain: `state_dicts` gathers them to rank 0 in the form one process
+writes, so sample.py, a one-process run and DDP read them as they read any other.
+"""
+
+import torch
+import torch.distributed as dist
+
+try:  # FSDP2 and DTensor, public since torch 2.6
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:
+    fully_shard = None
+    FSDPModule = DTensor = ()  # an isinstance() against () is always False: nothing is sharded
+
+
+def all_ranks(x, op=dist.ReduceOp.SUM):
+    """x (a tensor) reduced over the ranks in place; x itself in one process."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=op)
+    return x
+
+
+def shard(model, device, dtype):
+    """Shard model over the ranks in place (FSDP2): each block of each stack is a unit, gathered
+    for its forward and backward only; the rest (embeddings, final norms, heads) is the root's.
+    In bf16/fp16 the weights are gathered in that dtype (half the bytes moved and held) and the
+    gradients reduced in fp32."""
+    # train.py keeps autocast on around the sharded model too. The matmuls lose nothing by it: their
+    # weights arrive in bf16, autocast's own cast of them. What it keeps is the fp32 of the norms,
+    # softmax and the loss, which autocast runs in fp32 as it does in one process; without it, weights
+    # gathered in bf16 would run the whole forward pass in bf16, a less exact model than DDP's.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mixed = dict(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else {}
+    for stack in (model.encoder, model.decoder):
+        for block in stack.h if stack is not None else ():
+            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(**mixed))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(**mixed))
+    return model
+
+
+def sharded(model):
+    return isinstance(model, FSDPModule)
+
+
+def local(t):
+    """This rank's part of t: its slice of a sharded tensor, or t itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(t):
+    """t whole on every rank: a sharded tensor gathered (every rank must ask), or t itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def slice_like(t, like):
+    """The slice of t (whole, the same on every rank) that this rank holds of like; t itself if
+    like is not sharded. No communication: each rank cuts out its own."""
+    if not isinstance(like, DTensor):
+        return t
+    mesh = like.device_mesh
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, like.placements)
+
+
+def finite(model):
+    """Whether every parameter is finite, as all ranks agree (under FSDP each checks its slices)."""
+    ok = torch.stack([torch.isfinite(local(p)).all() for p in model.parameters()]).all().float()
+    return all_ranks(ok, dist.ReduceOp.MIN).item() > 0
+
+
+def state_dicts(model, optimizer):
+    """The model's and the optimizer's state dicts, whole and in the form one process writes (the
+    optimizer's keyed by each parameter's index). Under FSDP every rank must call this: the slices
+    are gathered one tensor at a time into rank 0's host memory, and the other ranks get (None, None)."""
+    if not sharded(model):
+        return model.state_dict(), optimizer.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    # before the first step the state holds no tensors; DCP would create them by a step with zero
+    # gradients, which counts as a step (AdamW's bias correction would then start at step 2)
+    named = get_optimizer_state_dict(model, optimizer, options=options) if optimizer.state else None
+    if dist.get_rank():
+        return None, None
+    if named is None:
+        return model_state, optimizer.state_dict()
+    # DCP keys the optimizer's state by parameter name; one process's load_state_dict wants indices
+    index = {name: i for i, name in enumerate(n for g in named["param_groups"] for n in g["params"])}
+    return model_state, dict(state={index[n]: s for n, s in named["state"].items()},
+                             param_groups=[g | dict(params=[index[n] for n in g["params"]])
+                                           for g in named["param_groups"]])
+
+
+def load_optimizer_state(model, optimizer, state):
+    """Load a state dict in the form state_dicts writes (whole, keyed by index), which every rank
+    has read; under FSDP each rank keeps its slices of it."""
+    if not sharded(model) or not state["state"]:  # (no state yet: nothing to slice, and see state_dicts)
+        return optimizer.load_state_dict(state)
+    name = {p: n for n, p in model.named_parameters()}
+    names = [name[p] for g in optimizer.param_groups for p in g["params"]]
+    named = dict(state={names[i]: s for i, s in state["state"].items()},
+                 param_groups=[g | dict(params=[names[i] for i in g["params"]]) for g in state["param_groups"]])
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+
+def held_bytes(optimizer, replica=False):
+    """Bytes of parameters and optimizer state that this rank holds once the optimizer has stepped:
+    each parameter's slice (the whole of it for a replica, as DDP keeps) and as much again for each
+    of its moments, AdamW's two or Muon's one. Not counted: the gradients (as large as the
+    parameters, from the backward pass to the step) and the gathered block a rank is running."""
+    return sum((p.numel() if replica else local(p).numel()) * p.element_size() * (2 if group.get("muon") else 3)
+               for group in optimizer.param_groups for p in group["params"])
+
+
+def memory_line(optimizer, world):
+    """The start line's account of what FSDP saves. Rank 0's figure is the largest: when a dim 0
+    does not divide evenly, the first ranks get the longer slices."""
+    mb = lambda n: f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"  # noqa: E731
+    return (f"fsdp: {world} rank{'s hold' if world > 1 else ' holds'} {mb(held_bytes(optimizer))} of parameters and "
+            f"optimizer state each (DDP: {mb(held_bytes(optimizer, replica=True))})")

@@ -1,0 +1,138 @@
+"""train.py --fsdp=True under torchrun (two processes on the CPU, gloo): it trains as DDP does, each
+rank holding half of the weights and optimizer state; Muon on sliced matrices computes what it does
+on whole ones; a signal saves and the run resumes exactly; the checkpoints are whole and plain, so
+one process resumes them and sample.py samples them; what FSDP cannot run is refused in one line."""
+
+import os
+import re
+import shutil
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import sample
+import train
+from model import ModelConfig, Transformer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+ITERS = 20
+
+
+def args(tiny_args, *more):
+    # two micro-steps, one per rank; evaluations (and checkpoints) at 0, 10 and 20
+    return ["--dataset=verse", f"--max_iters={ITERS}", "--eval_interval=10", "--gradient_accumulation_steps=2",
+            *tiny_args, *more]
+
+
+def torchrun(run, d, *argv):
+    code, log, err = run(TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"), *argv, cwd=d)
+    assert code == 0, err
+    return log
+
+
+def weights(path):
+    return torch.load(path, weights_only=True)["model"]
+
+
+def assert_same_weights(a, b, atol=1e-6):
+    assert a.keys() == b.keys()
+    for k in a:  # the same sums in another order: equal to rounding
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def runs(workdir, run, tiny_args):
+    """The same 20 iterations under DDP (out-ddp) and under FSDP (out-fsdp), and under FSDP with Muon
+    (out-fsdp-muon), all at once (most of each run is starting Python and torch); their logs."""
+    d, _ = workdir
+    argvs = dict(ddp=["--out_dir=out-ddp", *args(tiny_args)],
+                 fsdp=["--out_dir=out-fsdp", *args(tiny_args, "--fsdp=True")],
+                 muon=["--out_dir=out-fsdp-muon", *args(tiny_args, "--optimizer=muon", "--fsdp=True")])
+    with ThreadPoolExecutor(max_workers=len(argvs)) as pool:
+        return dict(zip(argvs, pool.map(lambda argv: torchrun(run, d, *argv), argvs.values())))
+
+
+def test_fsdp_trains_as_ddp_does(workdir, runs, losses):
+    d, _ = workdir
+    ddp, fsdp = losses(runs["ddp"]), losses(runs["fsdp"])
+    assert len(ddp) == len(fsdp) == ITERS
+    assert max(abs(a - b) for a, b in zip(ddp, fsdp)) < 2e-3
+    assert "on 2 x cpu" in runs["fsdp"] and "ranks agree" not in runs["fsdp"]  # no replicas to compare
+    assert_same_weights(weights(d / "out-ddp" / "ckpt.pt"), weights(d / "out-fsdp" / "ckpt.pt"))
+
+
+def test_each_rank_holds_half_the_parameters_and_optimizer_state(workdir, runs):
+    d, _ = workdir
+    # the figure printed is read from each rank's slices of the weights (DTensor.to_local())
+    line = re.search(r"^fsdp: 2 ranks hold ([\d.]+) MB of parameters and optimizer state each \(DDP: ([\d.]+) MB\)$",
+                     runs["fsdp"], re.M)
+    assert line, runs["fsdp"]
+    ckpt = torch.load(d / "out-fsdp" / "ckpt.pt", weights_only=True)
+    n = sum(p.numel() for p in Transformer(ModelConfig(**ckpt["model_config"])).parameters())
+    assert float(line[2]) == pytest.approx(12 * n / 1e6, rel=5e-3)  # fp32 weights and AdamW's two moments
+    assert float(line[1]) == pytest.approx(float(line[2]) / 2, rel=5e-3)
+
+
+def test_an_fsdp_checkpoint_is_plain_as_one_process_writes_it_and_samples(workdir, runs, in_process, capsys):
+    d, _ = workdir
+    ddp, fsdp = (torch.load(d / out / "ckpt.pt", weights_only=True) for out in ("out-ddp", "out-fsdp"))
+    assert fsdp["iter_num"] == ITERS
+    # the optimizer's state keyed by parameter index, as one process keys it (not by name), and whole
+    assert fsdp["optimizer"]["param_groups"] == ddp["optimizer"]["param_groups"]
+    state, ddp_state = fsdp["optimizer"]["state"], ddp["optimizer"]["state"]
+    assert list(state) == list(ddp_state) == list(range(len(ddp_state)))
+    for i in state:
+        assert state[i].keys() == ddp_state[i].keys()
+        for k in state[i]:
+            torch.testing.assert_close(state[i][k], ddp_state[i][k], rtol=1e-5, atol=1e-6)
+    capsys.readouterr()
+    assert in_process(sample.main, ["--out_dir=out-fsdp", "--max_new_tokens=5", "--start=LEAR:"], cwd=d) == 0
+    assert capsys.readouterr().out.startswith("LEAR:")
+
+
+def test_a_signal_saves_and_the_run_resumes_exactly_under_fsdp_and_in_one_process(workdir, runs, run, start, wait_for,
+                                                                                  in_process, losses, tiny_args):
+    d, _ = workdir
+    # SIGTERM to torchrun, as a scheduler sends it: torchrun passes it on to each rank, which saves
+    stopped = args(tiny_args, "--out_dir=out-stop", "--fsdp=True")
+    p = start(TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"), *stopped,
+              "--max_iters=1000", cwd=d)  # (the learning rate's schedule does not depend on max_iters)
+    wait_for(p.stdout, "iter 3:")
+    p.send_signal(signal.SIGTERM)
+    log, err = p.communicate(timeout=300)
+    at = torch.load(d / "out-stop" / "ckpt.pt", weights_only=True)["iter_num"]
+    assert 3 <= at < ITERS and f"stopped by SIGTERM at iteration {at}" in log, err
+    shutil.copytree(d / "out-stop", d / "out-stop-one")
+    # the rest under FSDP: the last loss and the weights of the run that never stopped, bit for bit
+    resumed = torchrun(run, d, *stopped, "--init_from=resume")
+    assert losses(resumed)[-1] == losses(runs["fsdp"])[-1]
+    straight = weights(d / "out-fsdp" / "ckpt.pt")
+    resumed = weights(d / "out-stop" / "ckpt.pt")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    # ...and in one process, which steps with the whole batch: the same weights to rounding
+    assert in_process(train.main, args(tiny_args, "--out_dir=out-stop-one", "--init_from=resume"), cwd=d) == 0
+    assert_same_weights(straight, weights(d / "out-stop-one" / "ckpt.pt"))
+
+
+def test_muon_on_sliced_matrices_updates_as_on_whole_ones(workdir, runs, in_process, tiny_args):
+    d, _ = workdir
+    assert in_process(train.main, ["--out_dir=out-one-muon", *args(tiny_args, "--optimizer=muon")], cwd=d) == 0
+    # Newton-Schulz amplifies rounding; a rank that orthogonalised its slices alone would be 7e-3 off here
+    assert_same_weights(weights(d / "out-one-muon" / "ckpt.pt"), weights(d / "out-fsdp-muon" / "ckpt.pt"), atol=1e-5)
+
+
+def test_fsdp_is_refused_in_one_line_where_it_cannot_run(workdir, run, one_line_error, refusal, monkeypatch,
+                                                         tiny_args):
+    d, _ = workdir
+    one_line_error(run("train.py", *args(tiny_args, "--out_dir=out-no-torchrun", "--fsdp=True"), cwd=d),
+                   "--fsdp=True shards the model over the processes that torchrun starts")
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2").items():  # as torchrun starts rank 0 of 2
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(train, "fully_shard", None)  # a torch without FSDP2
+    refusal(train.main, args(tiny_args, "--out_dir=out-old-torch", "--fsdp=True"), "--fsdp=True needs FSDP2",
+            "upgrade torch, or train under DDP without --fsdp", cwd=d)
+    assert not list(d.glob("out-no-torchrun")) and not list(d.glob("out-old-torch"))
