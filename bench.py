@@ -38,7 +38,7 @@ from data import batch_rng, get_batch, load_data, new_model_config, special_toke
 from device import compile_decode, peak_flops, pick_device, pick_dtype, precision, precision_name, timed
 from optim import make_optimizer, optimizer_step
 from train import TRAIN_RANGES, TrainConfig
-from model import KVCache, LinearState, ModelConfig, Transformer, attn_impl, autocast_dtype, reach
+from model import KVCache, LinearState, ModelConfig, Transformer, attn_impl, autocast_dtype
 from quantize import Int8Linear, decode_layout, quantize_int8
 from sample import SampleConfig, load_draft
 from speculative import speculative_generate
@@ -494,11 +494,11 @@ def streaming(argv):
 
 def stream_speed(model, L, steps, device, piece=512):
     """Tokens/s of `steps` decoding steps after L random tokens, and the bytes the cache holds."""
-    size, c = model.cache_size(L, steps), model.config
+    size = model.cache_size(L, steps)
     model.setup_kv_cache(1, size, dtype=autocast_dtype(device))
-    if L + steps > size:  # a ring that wraps takes pieces that overwrite no key their queries see
-        piece = min(piece, size - c.n_global - reach(c) + 1)
-    idx = torch.randint(0, c.vocab_size, (1, L), device=device)
+    if L + steps > size:  # a ring that wraps takes the pieces prefill takes
+        piece = min(piece, model.piece_size(L))
+    idx = torch.randint(0, model.config.vocab_size, (1, L), device=device)
     for s in range(0, L, piece):
         logits = model(idx[:, s:s + piece], input_pos=torch.arange(s, min(L, s + piece), device=device))[0]
     state = [logits[:, -1:].argmax(-1), torch.tensor([[L]], device=device)]  # the next token, its position

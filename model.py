@@ -714,14 +714,22 @@ class Transformer(nn.Module):
         into a fresh KV cache. A prompt longer than the cache goes in by pieces: the first fills the
         ring, each next one overwrites only keys that none of its queries sees. Attention's memory is
         then O(size^2), not O(T^2). Linear attention's state takes the prompt in one piece."""
-        cache_pos, g = self.decoder.cache_pos, self.config.n_global
-        s, n = 0, idx.size(1) if cache_pos is None else cache_pos.size(1)  # an empty ring fills all its slots
+        s, n = 0, self.piece_size(idx.size(1), first=True)
         while s < idx.size(1):
             piece = slice(s, s + n)
             logits = self(idx[:, piece], mask=None if mask is None else mask[:, piece], src_mask=src_mask,
                           input_pos=input_pos[..., piece])[0]
-            s, n = s + n, max(1, n if cache_pos is None else cache_pos.size(1) - g - reach(self.config) + 1)
+            s, n = s + n, self.piece_size(idx.size(1))
         return logits[:, -1]
+
+    def piece_size(self, T, first=False):
+        """Tokens of a prompt of T that the next piece takes: all of them into linear attention's state;
+        into an empty ring as many as it has slots; into a full one its slots beside the global tokens
+        less the keys a query sees before its own, so that it overwrites no key its queries see."""
+        slots = self.decoder.cache_pos.size(1) if self.decoder.cache_pos is not None else None
+        if slots is None or first:
+            return slots or T
+        return max(1, slots - self.config.n_global - reach(self.config) + 1)
 
     def decode(self, idx, input_pos, src_mask=None):
         """As prefill, in one piece: with T = 1 every shape is fixed, so torch.compile captures it once."""

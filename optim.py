@@ -124,13 +124,14 @@ def optimizer_step(model, optimizer, scaler, grad_clip, skip=None):
     skip: a 0-dim float tensor on the device, 1 to leave the weights and the optimizer's state as
     they were (after a non-finite loss). Fused AdamW (its found_inf) and MuonAdamW read it on the
     device, so the host never waits for it; an unfused AdamW must ask the device."""
-    if skip is not None and not optimizer.defaults.get("fused") and skip.item():
+    on_device = skip is not None and optimizer.defaults.get("fused")
+    if skip is not None and not on_device and skip.item():
         optimizer.zero_grad(set_to_none=True)
         return
     if grad_clip:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if skip is not None and optimizer.defaults.get("fused"):
+    if on_device:
         optimizer.found_inf = skip  # under fp16 the scaler puts its own (a non-finite loss has non-finite gradients)
     scaler.step(optimizer)
     optimizer.__dict__.pop("found_inf", None)
