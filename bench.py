@@ -35,13 +35,13 @@ import kernels
 from checkpoint import load_model
 from common import UsageError, check_ranges, parse_settings, usage
 from data import batch_rng, get_batch, load_data, new_model_config, special_tokens
-from device import compile_decode, peak_flops, pick_device, pick_dtype, precision, precision_name, timed
+from device import peak_flops, pick_device, pick_dtype, precision, precision_name, timed
+from generate import cache_size, decode, generate, piece_size, speculative_generate
 from optim import make_optimizer, optimizer_step
 from train import TRAIN_RANGES, TrainConfig
 from model import KVCache, LinearState, ModelConfig, Transformer, attn_impl, autocast_dtype
 from quantize import Int8Linear, decode_layout, quantize_int8
 from sample import SampleConfig, load_draft
-from speculative import speculative_generate
 
 try:
     import triton
@@ -234,10 +234,10 @@ def decode_speed(config, device, dtype, compile=False, new=256, prompt=16, round
         decoders = {"nanoformer, weights as stored": copy.deepcopy(model), "nanoformer": decode_layout(model),
                     "nanoformer, int8": int8}
     if compile:
-        decoders["nanoformer, compiled step"] = compiled = copy.deepcopy(model)
-        compile_decode(compiled, device)
+        decoders["nanoformer, compiled step"] = decoders["nanoformer"]  # the same model, through the compiled step
     idx = torch.randint(0, config.vocab_size, (1, prompt), device=device)
-    runs = {name: (lambda m=m: m.generate(idx, new, temperature=0)) for name, m in decoders.items()}
+    runs = {name: (lambda m=m, c="compiled" in name: generate(m, idx, new, temperature=0, compile=c))
+            for name, m in decoders.items()}
     if twin is not None:  # min_new_tokens: no early stop at an end-of-text token
         runs = {"transformers": lambda: twin.generate(idx, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                                       pad_token_id=0), **runs}
@@ -275,13 +275,12 @@ def speculative_speed(cfg, device, dtype, rounds=3):
     weights, autocast = precision(dtype, device)  # as sample.py samples
     model, tok, _ = load_model(cfg.out_dir, device, weights)
     draft = load_draft(cfg.draft_dir, model, tok, device)
-    if cfg.compile:
-        compile_decode(model, device)
     if tok.unknown(SampleConfig.start):
         raise UsageError(f"the model in {cfg.out_dir} cannot encode sample.py's default prompt {SampleConfig.start!r}")
     idx = torch.tensor([tok.encode(SampleConfig.start, special=True)], device=device)
     n, how = cfg.max_new_tokens, (cfg.temperature, SampleConfig.top_k, SampleConfig.top_p)
-    runs = {"target alone": lambda: (model.generate(idx, n, *how, vocab_limit=tok.vocab_size), 0, 0),
+    alone = lambda: generate(model, idx, n, *how, vocab_limit=tok.vocab_size, compile=cfg.compile)  # noqa: E731
+    runs = {"target alone": lambda: (alone(), 0, 0),
             "speculative": lambda: speculative_generate(model, draft, idx, n, cfg.draft_k, *how, tok.vocab_size)}
     times, accepted, proposed = {name: [] for name in runs}, 0, 0
     torch.manual_seed(0)
@@ -494,19 +493,19 @@ def streaming(argv):
 
 def stream_speed(model, L, steps, device, piece=512):
     """Tokens/s of `steps` decoding steps after L random tokens, and the bytes the cache holds."""
-    size = model.cache_size(L, steps)
+    size = cache_size(model, L, steps)
     model.setup_kv_cache(1, size, dtype=autocast_dtype(device))
     if L + steps > size:  # a ring that wraps takes the pieces prefill takes
-        piece = min(piece, model.piece_size(L))
+        piece = min(piece, piece_size(model, L))
     idx = torch.randint(0, model.config.vocab_size, (1, L), device=device)
     for s in range(0, L, piece):
         logits = model(idx[:, s:s + piece], input_pos=torch.arange(s, min(L, s + piece), device=device))[0]
     state = [logits[:, -1:].argmax(-1), torch.tensor([[L]], device=device)]  # the next token, its position
 
-    def decode():
+    def run():
         for _ in range(steps):
-            state[:] = model.decode(*state).argmax(-1, keepdim=True), state[1] + 1
-    seconds = timed(decode, device)[1]
+            state[:] = decode(model, *state).argmax(-1, keepdim=True), state[1] + 1
+    seconds = timed(run, device)[1]
     cache = [b for m in model.modules() if isinstance(m, (KVCache, LinearState)) for b in m.buffers()]
     nbytes = sum(b.numel() * b.element_size() for b in cache + [model.decoder.cache_pos] if b is not None)
     model.clear_kv_cache()

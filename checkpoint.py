@@ -44,6 +44,11 @@ def save_atomic(obj, path):
 
 CKPT_KEYS = {"model", "optimizer", "scaler", "model_config", "train_config", "iter_num", "best_val_loss", "rng",
              "tokens", "meta"}  # what train.py writes
+# model settings that earlier versions saved and this one no longer has, each with why it went:
+# load_checkpoint drops them, so that those checkpoints still load
+RETIRED_SETTINGS = {
+    "linear_impl": "how earlier versions ran products on a CPU: a run-time choice, not the model's",
+}
 
 
 def load_plain(path, way_out):
@@ -70,7 +75,8 @@ def load_checkpoint(path, hint=None):
     if not isinstance(ckpt, dict) or not CKPT_KEYS <= ckpt.keys():
         missing = sorted(CKPT_KEYS - ckpt.keys()) if isinstance(ckpt, dict) else "everything"
         raise UsageError(f"{path} is not a nanoformer checkpoint (it lacks {missing})")
-    ckpt["model_config"].pop("linear_impl", None)  # how earlier versions ran products on a CPU: gone, not the model's
+    for name in RETIRED_SETTINGS:
+        ckpt["model_config"].pop(name, None)
     unknown = sorted(ckpt["model_config"].keys() - {f.name for f in fields(ModelConfig)})
     if unknown:
         raise UsageError(f"{path} has model settings this model.py does not know ({', '.join(unknown)}): "
@@ -111,9 +117,8 @@ def describe(ckpt):
 
 def for_sampling(model, ckpt, device, dtype=torch.float32, quantize=""):
     """model in eval mode on device, its weights in dtype (its Linear layers in int8 with
-    quantize="int8"), and the tokenizer its checkpoint names."""
-    if model.config.attn_impl == "triton" and device.type != "cuda":  # trained through the kernel on a GPU:
-        model.config.attn_impl = "auto"  # the same attention, through torch's SDPA here
+    quantize="int8"), and the tokenizer its checkpoint names. A model trained through the Triton
+    kernel on a GPU runs the same attention through SDPA elsewhere (model.attn_impl)."""
     if quantize == "int8":
         quantize_int8(model)  # from the fp32 weights: one rounding, not two
     model = model.to(device=device, dtype=dtype).eval()
@@ -140,8 +145,9 @@ def prepare_out_dir(path, held):
         lock = held.enter_context(open(os.path.join(path, ".lock"), "a+b", buffering=0))  # nothing held back
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         lock.truncate(0)  # the pid names the holder to a second run; writing it finds a full disk now
-        pid = f"{os.getpid()}\n".encode()
-        lock.write(pid[lock.write(pid):])  # a short write (a full disk) fails at the second, with the reason
+        pid, written = f"{os.getpid()}\n".encode(), 0
+        while written < len(pid):  # a write may stop short without an error when the disk fills up; the next
+            written += lock.write(pid[written:])  # one then raises, with the reason (ENOSPC, EDQUOT, EFBIG)
     except BlockingIOError:
         lock.seek(0)
         holder = lock.read().decode().strip() or "?"

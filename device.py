@@ -121,14 +121,6 @@ def precision_name(weights, dtype):
     return str(weights).replace("torch.", "") + " weights" + autocast
 
 
-def compile_decode(model, device):
-    """Compile the one-token decoding step: one static graph per cache size, replayed as a CUDA
-    graph on a GPU, plain inductor code elsewhere. Cache sizes then come in steps of 256, so that
-    prompts of other lengths reuse a graph (the slots past a sequence stay empty)."""
-    model.cache_step = 256
-    model.decode = torch.compile(model.decode, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else None)
-
-
 def rng_state(device):
     state = dict(torch=torch.get_rng_state())
     if device.type == "cuda":

@@ -20,7 +20,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from sampling import sample
 
 ARCHS = ("decoder", "encoder", "encoder-decoder")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
@@ -28,7 +27,28 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "relu2", "swiglu", "geglu")
 GELUS = ("tanh", "none")
 ATTN_IMPLS = ("auto", "triton", "sdpa", "math")
-ATTENTIONS = ("softmax", "linear")
+
+
+class Kind(NamedTuple):
+    """What an attention kind is. ModelConfig's checks and the refusals of sample.py and hf.py read
+    these facts, so that a new kind is a row of ATTENTIONS and its function in Attention.attend."""
+    causal: bool  # serves a decoder: each query sees only keys before it
+    bidirectional: bool  # serves an encoder: each query sees every key
+    keeps: str  # while decoding: "kv" (a KV cache, which can forget tokens), "state" (a recurrent state)
+    bias: bool  # takes a bias on its scores: ALiBi, T5's relative positions
+    window: bool  # takes a window of keys, and global tokens beside it
+    weights: bool  # has weights to draw (sample.py's attention page)
+    kernel: bool  # kernels.py's Triton kernel computes it
+    export: bool  # Hugging Face's models have it (hf.py export)
+
+
+ATTENTIONS = {
+    "softmax": Kind(causal=True, bidirectional=True, keeps="kv", bias=True, window=True, weights=True, kernel=True,
+                    export=True),
+    # phi(q) phi(k)ᵀ, phi = elu + 1, O(T) (Katharopoulos et al. 2020)
+    "linear": Kind(causal=True, bidirectional=True, keeps="state", bias=False, window=False, weights=False,
+                   kernel=False, export=False),
+}
 
 
 @dataclass
@@ -55,7 +75,7 @@ class ModelConfig:
     n_expert: int = 0  # 0 = dense MLP; > 0 = mixture of this many expert MLPs
     expert_top_k: int = 2  # experts each token is routed to
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss in the training loss
-    attention: str = "softmax"  # or "linear": phi(q) phi(k)ᵀ, phi = elu + 1, O(T) (Katharopoulos et al. 2020)
+    attention: str = "softmax"  # the kind: "softmax" or "linear" (see ATTENTIONS)
     window: int = 0  # sliding-window attention: keys fewer than `window` positions away; 0 = all
     n_global: int = 0  # with a window: the first n_global positions are seen by all (Longformer), sinks when decoding
     bias: bool = True  # biases in Linear and LayerNorm (GPT-2, BERT: True; Llama, T5: False)
@@ -69,7 +89,7 @@ class ModelConfig:
 
     def __post_init__(self):
         for name, choices in [("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS),
-                              ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS), ("attention", ATTENTIONS)]:
+                              ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS), ("attention", tuple(ATTENTIONS))]:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known: choose one of "
                                  + ", ".join(map(repr, choices)))
@@ -117,16 +137,22 @@ class ModelConfig:
         if self.attn_impl == "triton" and self.dropout:
             raise ValueError("the Triton kernel does not drop attention weights: set dropout=0, or use "
                              "attn_impl='auto', which trains with dropout through SDPA")
-        linear = self.attention == "linear"
+        a, kind = self.attention, ATTENTIONS[self.attention]
         for wrong, problem in [  # settings that cannot go together: the problem and the way out
-            (linear and self.pos in ("alibi", "relative"), f"pos={self.pos!r} adds a bias to attention scores, "
-             "which linear attention has none of: choose pos='rope', 'learned', 'sinusoidal' or 'none'"),
-            (linear and self.window, "linear attention sums over every key it sees: it has no window (set window=0)"),
-            (linear and self.n_global, "linear attention has no window for global tokens: set n_global=0"),
+            (self.pos in ("alibi", "relative") and not kind.bias, f"pos={self.pos!r} adds a bias to attention "
+             f"scores, which {a} attention has none of: choose pos='rope', 'learned', 'sinusoidal' or 'none'"),
+            ((self.window or self.n_global) and not kind.window, f"{a} attention weighs every key it sees: it has "
+             "no window (set window=0), nor global tokens beside one (set n_global=0)"),
+            (self.arch != "encoder" and not kind.causal, f"{a} attention mixes later keys into earlier ones, so a "
+             "decoder cannot have it: use it in an encoder, or choose attention='softmax'"),
+            (self.arch != "decoder" and not kind.bidirectional, f"{a} attention is causal only: an encoder "
+             "cannot have it, choose arch='decoder' or attention='softmax'"),
             (self.n_global < 0 or self.n_global and not self.window, f"n_global={self.n_global}: global tokens "
              "are seen from a window's queries (Longformer): set window, or n_global=0"),
-            (self.attn_impl == "triton" and (linear or self.n_global), "the Triton kernel has neither linear "
-             "attention nor global tokens: use attn_impl='auto' (SDPA) or 'sdpa'")]:
+            (self.attn_impl == "triton" and not kind.kernel, f"the Triton kernel computes softmax attention, not "
+             f"{a} attention: use attn_impl='auto' or 'sdpa'"),
+            (self.attn_impl == "triton" and self.n_global, "the Triton kernel has neither global tokens nor "
+             "sinks: use attn_impl='auto' (SDPA) or 'sdpa'")]:
             if wrong:
                 raise ValueError(problem)
         if self.rope_scaling <= 0 or self.rope_theta <= 0:
@@ -193,7 +219,7 @@ def relative_bucket(offset, bidirectional, num_buckets, max_distance):
 # Attention
 
 class Mask(NamedTuple):
-    """Which keys each query may see, and the attention path that takes it, in that path's form
+    """Which keys each query may see, and the softmax backend that takes it, in that backend's form
     (Stack.mask picks both once per forward). The Triton kernel takes the pieces, the keys being the
     queries themselves (Tq = Tk, in order); SDPA and the math path one dense additive `bias` (B|1,
     nh|1, Tq, Tk): the position bias where a query may look, -inf where not (see Stack.attn_bias)."""
@@ -202,8 +228,9 @@ class Mask(NamedTuple):
     alibi: torch.Tensor | None = None  # (nh,) ALiBi slopes
     valid: torch.Tensor | None = None  # (B, Tk) False for padding keys
     bias: torch.Tensor | None = None  # the dense form; None when nothing or `causal` alone applies
-    impl: str = "sdpa"  # "triton" (takes the pieces), "sdpa" or "math" (take causal and bias), "linear"
+    backend: str = "sdpa"  # "triton" (takes the pieces), "sdpa" or "math" (take causal and bias)
     slots: torch.Tensor | None = None  # (Tq,) while generating: the KV cache slots the queries' keys go to
+    weights: list | None = None  # where each layer appends its weights (B, nh, Tq, Tk), on the math path
 
 
 # "auto" takes the Triton kernel only where it was measured faster than SDPA (docs/kernels.md):
@@ -219,7 +246,10 @@ def attn_impl(config, device, training, mask, Tq):
     """The one place the attention path is chosen: for Tq queries under this mask (in pieces), the
     config's, or for "auto" the Triton kernel where it is the faster and applies (a CUDA GPU of
     compute capability 8.0, Ampere, or later; no relative bias, no attention dropout, heads of at
-    most 128), else torch's SDPA. Stack.mask asks it once per forward and mask, not every layer."""
+    most 128), else torch's SDPA. Stack.mask asks it once per forward and mask, not every layer. A
+    model trained through the kernel on a GPU runs the same attention through SDPA on a CPU."""
+    if config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET:
+        return "sdpa"
     if config.attn_impl != "auto":
         return config.attn_impl
     plain = mask.bias is None and not mask.window and mask.alibi is None and mask.valid is None
@@ -235,21 +265,19 @@ def autocast_dtype(device, default=None):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else default
 
 
-def attention(q, k, v, mask, dropout=0.0, state=None):
+def attention(q, k, v, mask, dropout=0.0):
     """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs),
-    on the path mask.impl. Each group of nh / n_kv_head query heads shares one key/value head
+    on the backend mask.backend. Each group of nh / n_kv_head query heads shares one key/value head
     (grouped-query attention). Returns the output (B, nh, Tq, hs) and, on the math path, the
-    weights (B, nh, Tq, Tk). Linear attention has no weights; state: its LinearState, generating."""
-    if mask.impl == "linear":
-        return linear_attention(q, k, v, mask.causal, mask.valid, state), None
-    if mask.impl == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
+    weights (B, nh, Tq, Tk)."""
+    if mask.backend == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
         dtype = autocast_dtype(q.device, q.dtype)  # autocast casts SDPA's inputs, not a custom op's
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return kernels.flash_attention(q, k, v, causal=mask.causal, window=mask.window,
                                        alibi_slopes=mask.alibi, key_padding_mask=mask.valid), None
     bias = None if mask.bias is None else mask.bias.to(q.dtype)
     causal = mask.causal and bias is None  # Tq == Tk: a KV cache always comes with a bias
-    if mask.impl == "sdpa":
+    if mask.backend == "sdpa":
         # fused kernels (flash attention when causal and unbiased) never build the Tq x Tk matrix
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
                                               is_causal=causal, enable_gqa=True), None
@@ -353,11 +381,9 @@ class Attention(nn.Module):
             self.c_attn = nn.Linear(config.n_embd, q_size + 2 * kv_size, bias=config.bias)
         self.c_proj = nn.Linear(q_size, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        # both set by Transformer.setup_kv_cache while generating
-        self.kv_cache = None  # self-attention: a KVCache of the keys and values seen so far
-        self.memory_kv = None  # cross-attention: (k, v) of the encoder's output, computed once
-        self.state = None  # linear self-attention: a LinearState, in place of kv_cache
-        self.weights_hook = None  # sample.py's attention page: a function given the math path's weights
+        # what the layer keeps while generating (Transformer.setup_kv_cache): self-attention what its
+        # kind keeps (a KVCache, a LinearState), cross-attention the encoder's keys and values (k, v)
+        self.cache = None
 
     def heads(self, x):
         return x.unflatten(-1, (-1, self.config.head_size)).transpose(1, 2)  # (B, T, n * hs) -> (B, n, T, hs)
@@ -373,20 +399,26 @@ class Attention(nn.Module):
         c = self.config
         if self.cross:  # keys and values of the encoder's output: computed once when generating
             q = self.norm(self.heads(self.c_q(x)))
-            k, v = self.memory_kv if self.memory_kv is not None else self.kv(memory)
+            k, v = self.cache if self.cache is not None else self.kv(memory)
         else:  # q, k, v heads one after another: (B, n_head + 2 * n_kv_head, T, hs)
             q, k, v = self.heads(self.c_attn(x)).split((c.n_head, c.n_kv_head, c.n_kv_head), dim=1)
             q, k = self.norm(q), self.norm(k)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            if self.kv_cache is not None:
-                k, v = self.kv_cache(k, v, mask.slots)
-        dropout = c.dropout if self.training else 0.0
-        y, att = attention(q, k, v, mask, dropout, self.state)  # on the path the stack chose for this mask
-        if self.weights_hook is not None and att is not None:
-            self.weights_hook(att.detach())
+        y = self.attend(q, k, v, mask)
         y = y.transpose(1, 2).flatten(2)  # (B, nh, T, hs) -> (B, T, nh * hs): heads side by side
         return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, q, k, v, mask):
+        """The output (B, nh, T, hs) of this layer's kind of attention (ATTENTIONS) under mask."""
+        if self.config.attention == "linear" and not self.cross:  # its state continues the tokens before
+            return linear_attention(q, k, v, mask.causal, mask.valid, self.cache)
+        if isinstance(self.cache, KVCache):
+            k, v = self.cache(k, v, mask.slots)
+        y, att = attention(q, k, v, mask, self.config.dropout if self.training else 0.0)
+        if mask.weights is not None:  # on the math path, which computes them
+            mask.weights.append(att.detach())
+        return y
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,8 +531,9 @@ class Stack(nn.Module):
         self.ln_f = make_norm(config)
         self.cache_pos = None  # (B, size) while generating: the position each cache slot holds, -1: none
 
-    def forward(self, x, pos, valid=None, memory=None, memory_valid=None):
-        # x (B, T, C): token embeddings at positions pos (B|1, T); valid (B, T): False for padding
+    def forward(self, x, pos, valid=None, memory=None, memory_valid=None, weights=None):
+        # x (B, T, C): token embeddings at positions pos (B|1, T); valid (B, T): False for padding;
+        # weights: a dict that each attention's weights go to, by name (see Transformer.forward)
         c = self.config
         if c.pos == "learned":
             x = x + self.wpe(pos)
@@ -520,8 +553,11 @@ class Stack(nn.Module):
             self.cache_pos.index_copy_(1, slots, keys.expand(x.size(0), T))
             keys = self.cache_pos
         window = c.window if slots is None else reach(c)
-        mask = self.mask(pos, keys, own, window, valid, slots)
-        memory_mask = self.memory_mask(T, memory_valid, x.device) if self.cross else None
+        name = "decoder" if self.causal else "encoder"
+        record = (lambda what: weights.setdefault(f"{name} {what}", [])) if weights is not None else lambda what: None
+        mask = self.mask(pos, keys, own, window, valid, slots, record("self-attention"))
+        memory_mask = self.memory_mask(T, memory_valid, x.device, record("cross-attention (to the encoder)")) \
+            if self.cross else None
         cos_sin = rope(pos, c.head_size, c.rope_theta, c.rope_scaling) if c.pos == "rope" else None
         for block in self.h:
             x = block(x, mask, cos_sin, memory, memory_mask)
@@ -531,26 +567,30 @@ class Stack(nn.Module):
         """What each query may see, in pieces: the form the kernel takes, and what attn_impl reads."""
         return Mask(self.causal, window, self.slopes if self.config.pos == "alibi" else None, valid)
 
-    def mask(self, pos, keys, own, window, valid, slots):
+    def mask(self, pos, keys, own, window, valid, slots, weights=None):
         """The self-attention mask of the queries at pos (B|1, Tq) over the keys at keys (B|1, Tk)
-        (valid (B, Tq): False for padding; slots: where a KV cache keeps the keys) with its attention
-        path, chosen once here for every layer, and built once in that path's form."""
-        if self.config.attention == "linear":  # no scores to mask: causal or not, and which keys are padding
-            return Mask(self.causal, valid=valid, impl="linear")
+        (valid (B, Tq): False for padding; slots: where a KV cache keeps the keys) with its backend,
+        chosen once here for every layer (the math path when weights are kept), and built once in
+        that backend's form."""
+        if self.config.attention != "softmax":  # its own function: causal or not, and the padding
+            return Mask(self.causal, valid=valid)
         pieces = self.pieces(window, valid)
-        impl = attn_impl(self.config, pos.device, self.training, pieces, pos.size(1))
-        if impl == "triton" and slots is None:  # the kernel reads keys in order, not from a ring
-            return pieces._replace(impl=impl)
+        backend = "math" if weights is not None else attn_impl(self.config, pos.device, self.training, pieces,
+                                                              pos.size(1))
+        if backend == "triton" and slots is None:  # the kernel reads keys in order, not from a ring
+            return pieces._replace(backend=backend)
         bias = self.attn_bias(pos, keys, own, window) if slots is not None or valid is not None or window or \
             self.config.pos in ("alibi", "relative") else None
-        return Mask(self.causal, bias=bias, impl="sdpa" if impl == "triton" else impl, slots=slots)
+        return Mask(self.causal, bias=bias, backend="sdpa" if backend == "triton" else backend, slots=slots,
+                    weights=weights)
 
-    def memory_mask(self, Tq, valid, device):
+    def memory_mask(self, Tq, valid, device, weights=None):
         """The same for cross-attention to the encoder's output, whose padding is valid (B, S)."""
-        impl = attn_impl(self.config, device, self.training, Mask(valid=valid), Tq)
-        if impl == "triton":
-            return Mask(valid=valid, impl=impl)
-        return Mask(bias=None if valid is None else padding_bias(valid), impl=impl)
+        pieces = Mask(valid=valid)
+        backend = "math" if weights is not None else attn_impl(self.config, device, self.training, pieces, Tq)
+        if backend == "triton":
+            return Mask(valid=valid, backend=backend)
+        return Mask(bias=None if valid is None else padding_bias(valid), backend=backend, weights=weights)
 
     def attn_bias(self, pos, keys, own, window):
         """What each query at pos (B|1, Tq) may see of the keys at keys (B|1, Tk), as Mask's dense
@@ -606,11 +646,13 @@ class Transformer(nn.Module):
         if config.zero_init and not config.tie_embeddings:  # an untied head too (a tied one is the embedding)
             nn.init.zeros_(self.lm_head.weight)
 
-    def forward(self, idx, targets=None, *, mask=None, src=None, src_mask=None, input_pos=None):
+    def forward(self, idx, targets=None, *, mask=None, src=None, src_mask=None, input_pos=None, weights=None):
         """idx (B, T) token ids -> logits (B, T, vocab_size), and the loss against targets (B, T),
         where -100 marks positions without a loss. mask (B, T) is False at padding in idx. An
         encoder-decoder reads src (B, S) (padding: src_mask) and predicts idx. input_pos (T,) or
-        (B, T) gives the positions of idx; generate() passes it while the KV cache is set up."""
+        (B, T) gives the positions of idx; generate.py passes it while the caches are set up.
+        weights: a dict that receives every attention's weights, computed on the math path:
+        {"decoder self-attention": [(B, nh, T, T) per layer], ...} (sample.py's attention page)."""
         c = self.config
         B, T = idx.shape
         if input_pos is None:
@@ -618,12 +660,12 @@ class Transformer(nn.Module):
         pos = torch.arange(T, device=idx.device) if input_pos is None else input_pos
         pos = pos.view(-1, T)  # (B|1, T)
         if c.arch == "encoder":
-            x = self.mlm_head(self.encoder(self.wte(idx), pos, mask))
+            x = self.mlm_head(self.encoder(self.wte(idx), pos, mask, weights=weights))
         else:
-            if src is None and c.arch == "encoder-decoder" and self.decoder.h[0].cross_attn.memory_kv is None:
+            if src is None and c.arch == "encoder-decoder" and self.decoder.h[0].cross_attn.cache is None:
                 raise ValueError("an encoder-decoder needs src: model(idx, targets, src=src)")
-            memory = None if src is None else self.encode(src, src_mask)
-            x = self.decoder(self.wte(idx), pos, mask, memory, src_mask)
+            memory = None if src is None else self.encode(src, src_mask, weights)
+            x = self.decoder(self.wte(idx), pos, mask, memory, src_mask, weights)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         if c.logit_softcap:
             logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap)
@@ -634,10 +676,11 @@ class Transformer(nn.Module):
                 loss = loss + c.moe_aux_weight * sum(m.aux_loss for m in self.modules() if isinstance(m, MoE))
         return logits, loss
 
-    def encode(self, src, src_mask=None):
+    def encode(self, src, src_mask=None, weights=None):
         """The encoder's output (B, S, C) for src (B, S): the memory the decoder attends to."""
         self.check_length(src.size(1))
-        return self.encoder(self.wte(src), torch.arange(src.size(1), device=src.device)[None], src_mask)
+        pos = torch.arange(src.size(1), device=src.device)[None]
+        return self.encoder(self.wte(src), pos, src_mask, weights=weights)
 
     def check_length(self, T):
         if self.config.pos == "learned" and T > self.config.block_size:
@@ -662,27 +705,26 @@ class Transformer(nn.Module):
         return 6 * n + (1 + (c.arch == "encoder-decoder")) * 12 * c.n_layer * c.n_head * c.head_size * T
 
     # ------------------------------------------------------------------------------------------
-    # Generation
+    # The caches that generation reads and writes (generate.py drives them)
 
     def setup_kv_cache(self, batch_size, size, memory=None, dtype=None):
-        """Give every decoder self-attention an empty cache of `size` slots (n_kv_head heads each),
-        and every cross-attention the keys and values of the encoder's output `memory`, computed once."""
+        """Give every decoder self-attention what its kind keeps (ATTENTIONS): an empty KV cache of
+        `size` slots (n_kv_head heads each), or a recurrent state; and every cross-attention the keys
+        and values of the encoder's output `memory`, computed once."""
         dev = self.wte.weight.device
         dtype = dtype or self.wte.weight.dtype
         c = self.config
-        linear = c.attention == "linear"  # a state of fixed size per layer instead
+        kv = ATTENTIONS[c.attention].keeps == "kv"  # else a state of fixed size per layer
         for block in self.decoder.h:
-            if linear:
-                block.attn.state = LinearState(batch_size, c.n_kv_head, c.head_size, dev)
-            else:
-                block.attn.kv_cache = KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev)
+            block.attn.cache = (KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev) if kv
+                                else LinearState(batch_size, c.n_kv_head, c.head_size, dev))
             if memory is not None:
-                block.cross_attn.memory_kv = block.cross_attn.kv(memory)
-        self.decoder.cache_pos = None if linear else torch.full((batch_size, size), -1, device=dev)
+                block.cross_attn.cache = block.cross_attn.kv(memory)
+        self.decoder.cache_pos = torch.full((batch_size, size), -1, device=dev) if kv else None
 
     def clear_kv_cache(self):
         for attn in (m for m in self.decoder.modules() if isinstance(m, Attention)):
-            attn.kv_cache = attn.memory_kv = attn.state = None
+            attn.cache = None
         self.decoder.cache_pos = None
 
     def rollback_kv_cache(self, n):
@@ -690,102 +732,6 @@ class Transformer(nn.Module):
         slots are marked empty, and the next tokens, at the same positions, overwrite them."""
         pos = self.decoder.cache_pos
         if pos is None:
-            raise ValueError("linear attention's state cannot forget tokens: no speculative decoding with it")
+            raise ValueError(f"{self.config.attention} attention's state cannot forget tokens: no speculative "
+                             "decoding with it")
         pos.masked_fill_(pos > pos.amax(dim=1, keepdim=True) - n, -1)
-
-    cache_step = 1  # cache sizes are rounded up to a multiple of this; compile_decode makes it 256
-
-    def cache_size(self, prompt, new):
-        """Slots of a cache for a prompt and new tokens: every position, or the last that a query
-        sees (reach), with room for a prompt longer than that to go in by pieces (see prefill), and
-        for the global tokens, which the ring keeps beside it."""
-        r = reach(self.config)
-        size = self.config.n_global + min(prompt + new, r) + (r if prompt > r else 0)
-        return self.cache_step * math.ceil(size / self.cache_step)
-
-    @property
-    def absolute_positions(self):
-        """Whether positions are absolute (added to the embeddings): then the context of a
-        sequence longer than block_size must be recomputed from its new first token."""
-        return self.config.pos in ("learned", "sinusoidal")
-
-    def prefill(self, idx, input_pos, mask=None, src_mask=None):
-        """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), idx going
-        into a fresh KV cache. A prompt longer than the cache goes in by pieces: the first fills the
-        ring, each next one overwrites only keys that none of its queries sees. Attention's memory is
-        then O(size^2), not O(T^2). Linear attention's state takes the prompt in one piece."""
-        s, n = 0, self.piece_size(idx.size(1), first=True)
-        while s < idx.size(1):
-            piece = slice(s, s + n)
-            logits = self(idx[:, piece], mask=None if mask is None else mask[:, piece], src_mask=src_mask,
-                          input_pos=input_pos[..., piece])[0]
-            s, n = s + n, self.piece_size(idx.size(1))
-        return logits[:, -1]
-
-    def piece_size(self, T, first=False):
-        """Tokens of a prompt of T that the next piece takes: all of them into linear attention's state;
-        into an empty ring as many as it has slots; into a full one its slots beside the global tokens
-        less the keys a query sees before its own, so that it overwrites no key its queries see."""
-        slots = self.decoder.cache_pos.size(1) if self.decoder.cache_pos is not None else None
-        if slots is None or first:
-            return slots or T
-        return max(1, slots - self.config.n_global - reach(self.config) + 1)
-
-    def decode(self, idx, input_pos, src_mask=None):
-        """As prefill, in one piece: with T = 1 every shape is fixed, so torch.compile captures it once."""
-        return self(idx, src_mask=src_mask, input_pos=input_pos)[0][:, -1]
-
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
-                 vocab_limit=None, mask=None):
-        """Continue idx (B, T) by max_new_tokens sampled tokens -> (B, T + max_new_tokens).
-        temperature=0 is greedy. An encoder-decoder encodes src (B, S) once and decodes from idx
-        (its start token). Only ids below vocab_limit are drawn (vocab_size is often padded).
-        mask (B, T) is False at the left padding of prompts of different lengths."""
-        new = self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p, src, src_mask, vocab_limit, mask)
-        return torch.cat([idx, *new], dim=1)
-
-    @torch.no_grad()
-    def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None,
-                        src_mask=None, vocab_limit=None, mask=None):
-        """Yield each new token (B, 1) as soon as it is sampled. After a prefill of idx, each step
-        feeds only the newest token through the KV cache, and nothing waits for the device (but a
-        mixture of experts, whose routing sizes each expert's batch on the host). A left-padded row
-        counts its positions from its first real token, so it decodes as it would alone."""
-        c = self.config
-        if c.arch == "encoder":
-            raise ValueError("an encoder does not generate: fill masked tokens with one forward pass")
-        if c.arch == "encoder-decoder" and src is None:
-            raise ValueError("an encoder-decoder generates from src: generate(idx, n, src=src)")
-        dtype = autocast_dtype(idx.device)  # the cache in autocast's dtype, not the weights'
-        memory = None if src is None else self.encode(src, src_mask)
-        # the model sees at most block_size tokens: with absolute positions the last block_size of
-        # the prompt; with relative ones all of it, each query through a window of block_size
-        crop = slice(-c.block_size, None) if self.absolute_positions else slice(None)
-        size = self.cache_size(idx[:, crop].size(1), max_new_tokens)
-
-        def prefill(idx, mask):  # the prompt (cropped) into a fresh cache
-            tokens, valid = idx[:, crop], None if mask is None else mask[:, crop]
-            self.setup_kv_cache(tokens.size(0), size, memory, dtype)
-            pos = torch.arange(tokens.size(1), device=tokens.device)[None]
-            if valid is not None:
-                pos = (valid.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
-            return self.prefill(tokens, pos, valid, src_mask), pos[:, -1:]
-
-        try:
-            logits, pos = prefill(idx, mask)
-            for i in range(max_new_tokens):
-                idx_next = sample(logits[:, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
-                yield idx_next
-                if i == max_new_tokens - 1:
-                    break
-                idx = torch.cat((idx, idx_next), dim=1)
-                mask = None if mask is None else F.pad(mask, (0, 1), value=True)
-                if self.absolute_positions and idx.size(1) > c.block_size:
-                    # absolute positions must shift: recompute the last block_size tokens as
-                    # nanoGPT does (no cache saving from here on)
-                    logits, pos = prefill(idx, mask)
-                else:
-                    pos = pos + 1  # on the device, so the loop never waits for it
-                    logits = self.decode(idx_next, pos, src_mask)
-        finally:
-            self.clear_kv_cache()

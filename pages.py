@@ -13,22 +13,11 @@ ATTENTION_PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "atten
 
 
 def attention_maps(model, idx, src=None):
-    """Each attention's weights for one sequence, {name: (layers, heads, Tq, Tk)}: a forward pass on
-    the math path (the one that computes them) hands them to each attention's weights_hook."""
+    """Each attention's weights for one sequence, {name: (layers, heads, Tq, Tk)}, from one forward
+    pass that keeps them (on the math path, which computes them)."""
     maps = {}
-    blocks = [(s, b) for s in ("encoder", "decoder") if getattr(model, s) is not None for b in getattr(model, s).h]
-    named = [(f"{s} self-attention", b.attn) for s, b in blocks]
-    named += [("decoder cross-attention (to the encoder)", b.cross_attn) for _, b in blocks if b.cross_attn is not None]
-    for name, attn in named:  # the layers run in order, so each list fills layer by layer
-        attn.weights_hook = maps.setdefault(name, []).append
-    saved, model.config.attn_impl = model.config.attn_impl, "math"  # every stack reads this one config
-    try:
-        with torch.no_grad():
-            model(idx, src=src)
-    finally:
-        model.config.attn_impl = saved
-        for _, attn in named:
-            attn.weights_hook = None
+    with torch.no_grad():
+        model(idx, src=src, weights=maps)
     return {name: torch.stack([att[0] for att in layers]) for name, layers in maps.items()}
 
 

@@ -21,6 +21,7 @@ import torch
 from common import UsageError, write_atomic
 from data import span_corrupt
 from distributed import sharded
+from generate import generate
 from tokenizer import Tokenizer
 
 SAMPLE_PROMPT, SAMPLE_NEW = 32, 128  # the page's sample: tokens of val data it starts from, tokens it adds
@@ -151,7 +152,7 @@ def greedy_sample(model, val, tokens, tok):
     try:
         if c.arch == "decoder":
             p = min(SAMPLE_PROMPT, c.block_size)
-            out = model.generate(x[:, :p], SAMPLE_NEW, temperature=0, vocab_limit=tok.vocab_size)[0].tolist()
+            out = generate(model, x[:, :p], SAMPLE_NEW, temperature=0, vocab_limit=tok.vocab_size)[0].tolist()
             return [(text(out[:p]), False), (text(out[p:]), True)]
         if c.arch == "encoder":
             hidden = torch.arange(x.size(1), device=dev) % 7 == 3
@@ -160,8 +161,8 @@ def greedy_sample(model, val, tokens, tok):
         b = span_corrupt(x.cpu(), torch.Generator().manual_seed(0), tokens)
         src, step = b["src"][0].tolist(), tokens.get("sentinel_step", 1)
         sentinel = {tokens["sentinel"] + k * step: k for k in range(tokens["n_sentinel"])}
-        out = model.generate(torch.tensor([[tokens["start"]]], device=dev), b["targets"].size(1), temperature=0,
-                             src=b["src"].to(dev))[0, 1:].tolist()
+        out = generate(model, torch.tensor([[tokens["start"]]], device=dev), b["targets"].size(1), temperature=0,
+                       src=b["src"].to(dev))[0, 1:].tolist()
         fills, k = {}, None  # span k: what the model writes after sentinel k
         for t in out:
             k = sentinel.get(t, k)

@@ -6,7 +6,7 @@ Sample from a trained model; the text streams to stdout as it is generated.
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompts.txt --batch   # one per line
     python sample.py --out_dir=out-shakespeare-char --draft_dir=out-small              # speculative
-    python sample.py --out_dir=out-shakespeare-char --quantize=int8 --attention=attn.html
+    python sample.py --out_dir=out-shakespeare-char --quantize=int8 --attention_page=attn.html
     python sample.py --out_dir=out-shakespeare-char-bert --start="To be, or not to be: [MASK][MASK][MASK][MASK] is the question"
     python sample.py --init_from=gpt2 --start="Hello"          # a Hugging Face model: a directory or a hub name
 
@@ -21,21 +21,27 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
-# Ctrl-C while torch loads or the text streams out ends sampling quietly: status 130, no traceback;
-# so does a reader that stops early (`| head`), as for any Unix tool (status 141, SIGPIPE)
-if __name__ == "__main__":
+
+def exit_quietly_on_signals():
+    """Ctrl-C ends sampling (status 130), and so does a reader that stops early (`| head`, status
+    141), as for any Unix tool: no traceback."""
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+if __name__ == "__main__":  # before torch's import, not in main: the import takes seconds, and Ctrl-C counts then too
+    exit_quietly_on_signals()
 
 import torch
 
 from checkpoint import describe, for_sampling, load_model, load_run
 from common import UsageError, check_ranges, parse_settings, usage
-from device import compile_decode, out_of_memory, pick_device, pick_dtype, precision, precision_name, timed
+from device import out_of_memory, pick_device, pick_dtype, precision, precision_name, timed
+from generate import absolute_positions, generate, generate_tokens, speculative_generate
+from model import ATTENTIONS
 from pages import write_attention
 from quantize import Int8Linear
 from sampling import sample
-from speculative import speculative_generate
 
 MASK = "[MASK]"
 SEP = "\n---------------\n"  # after each sequence shown
@@ -60,8 +66,11 @@ class SampleConfig:
     draft_dir: str = ""  # out_dir of a small model that drafts tokens for speculative decoding
     draft_k: int = 4  # tokens the draft proposes per step
     quantize: str = ""  # "int8": weight-only int8 for every Linear layer
-    attention: str = ""  # write the first sample's attention weights to this HTML file
+    attention_page: str = ""  # write the first sample's attention weights to this HTML file
     attention_tokens: int = 128  # ...for at most this many (the last) tokens
+
+
+RENAMED = {"attention": "attention_page"}  # old name: new name; the old one still works, with a notice
 
 
 # the values each setting may take, beyond its type
@@ -84,16 +93,37 @@ def check(cfg):  # found out now, not after loading and sampling
         raise UsageError("--batch takes its prompts from a file, one per line: --start=FILE:prompts.txt")
     if cfg.batch and cfg.draft_dir:
         raise UsageError("speculative decoding continues one prompt at a time: leave out --batch or --draft_dir")
-    if cfg.attention and (os.path.isdir(cfg.attention) or not os.path.isdir(os.path.dirname(cfg.attention) or ".")):
-        raise UsageError(f"--attention={cfg.attention} is not a file in an existing folder: "
-                         "give a path such as attn.html")
+    page = cfg.attention_page
+    if page and (os.path.isdir(page) or not os.path.isdir(os.path.dirname(page) or ".")):
+        raise UsageError(f"--attention_page={page} is not a file in an existing folder: give a path such as attn.html")
+
+
+def refusals(cfg, model, draft):
+    """What this model cannot do of what was asked, read from its kind of attention (model.ATTENTIONS)."""
+    for m in (model, draft) if draft is not None else ():
+        if ATTENTIONS[m.config.attention].keeps != "kv":
+            raise UsageError(f"{m.config.attention} attention's state cannot take back rejected draft tokens: "
+                             "leave out --draft_dir")
+    if cfg.attention_page and not ATTENTIONS[model.config.attention].weights:
+        raise UsageError(f"{model.config.attention} attention has no attention weights to draw: leave out "
+                         "--attention_page")
+
+
+def renamed(argv):
+    """argv with renamed settings under their new names, each old one named on stderr."""
+    for i, arg in enumerate(argv):
+        old = arg[2:].partition("=")[0]
+        if arg.startswith("--") and old in RENAMED:
+            print(f"sample.py: --{old} is now --{RENAMED[old]}", file=sys.stderr)
+            argv = argv[:i] + [f"--{RENAMED[old]}" + arg[2 + len(old):]] + argv[i + 1:]
+    return argv
 
 
 def main(argv):
     if {"-h", "--help"} & set(argv):
         print(usage(__doc__, SampleConfig))
         return 0
-    cfg = SampleConfig(**parse_settings(argv, SampleConfig)[0])
+    cfg = SampleConfig(**parse_settings(renamed(argv), SampleConfig)[0])
     check(cfg)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
@@ -106,8 +136,6 @@ def main(argv):
         import hf  # safetensors and the name maps, only for a Hugging Face model
         model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"), torch.float32)
     model, tok = for_sampling(model, ckpt, device, weights, cfg.quantize)
-    if cfg.compile:
-        compile_decode(model, device)
     prompt = read_prompt(cfg.start)
     if unknown := tok.unknown(prompt.replace(MASK, "")):
         raise UsageError(f"the prompt has characters the model's vocabulary lacks: {''.join(unknown)!r}; "
@@ -117,18 +145,14 @@ def main(argv):
         raise UsageError(f"an {arch} fills in blanks, one prompt at a time: leave out --batch and --draft_dir")
     if MASK not in prompt and arch != "decoder":
         raise UsageError(f"an {arch} fills in blanks: put {MASK} in --start where text is missing")
-    if cfg.attention and model.config.attention == "linear":
-        raise UsageError("linear attention has no attention weights to draw: leave out --attention")
-    if cfg.draft_dir:  # each mode: (model, tok, prompt, cfg, device) -> Result
-        draft = load_draft(cfg.draft_dir, model, tok, device, cfg.quantize, cfg.ckpt)
-        if "linear" in (model.config.attention, draft.config.attention):
-            raise UsageError("linear attention's state cannot take back rejected draft tokens: leave out --draft_dir")
+    draft = load_draft(cfg.draft_dir, model, tok, device, cfg.quantize, cfg.ckpt) if cfg.draft_dir else None
+    refusals(cfg, model, draft)
+    if draft is not None:  # each mode: (model, tok, prompt, cfg, device) -> Result
         mode = partial(speculate, draft=draft)
-    elif cfg.batch:
-        mode = continue_batch
+    elif cfg.batch or arch == "decoder":
+        mode = continue_batch if cfg.batch else continue_text
     else:
-        fill = {"decoder": continue_text, "encoder": fill_masks, "encoder-decoder": fill_spans}[arch]
-        mode = partial(fill, special=ckpt["tokens"])
+        mode = partial({"encoder": fill_masks, "encoder-decoder": fill_spans}[arch], special=ckpt["tokens"])
     torch.manual_seed(cfg.seed)
     with autocast:
         results, dt = timed(lambda: [mode(model, tok, prompt, cfg, device) for _ in range(cfg.num_samples)], device)
@@ -138,9 +162,9 @@ def main(argv):
           f"{precision_name(model.wte.weight.dtype, dtype)}{f', {n_int8} Linear layers in int8' if n_int8 else ''})"
           + (f"; draft tokens accepted {accepted}/{proposed} ({accepted / max(proposed, 1):.1%}, k={cfg.draft_k})"
              if cfg.draft_dir else ""), file=sys.stderr)
-    if cfg.attention:
-        write_attention(cfg.attention, model, tok, results[0].seqs[0], cfg.attention_tokens)
-        print(f"sample.py: attention weights of the first sample in {cfg.attention}", file=sys.stderr)
+    if cfg.attention_page:
+        write_attention(cfg.attention_page, model, tok, results[0].seqs[0], cfg.attention_tokens)
+        print(f"sample.py: attention weights of the first sample in {cfg.attention_page}", file=sys.stderr)
     return 0
 
 
@@ -172,7 +196,7 @@ def encode_prompt(model, tok, prompt):
     if not ids:
         raise UsageError("the prompt is empty: give --start some text (the default is a newline)")
     block = model.config.block_size
-    if model.absolute_positions and len(ids) > block:  # relative positions slide a window over it instead
+    if absolute_positions(model.config) and len(ids) > block:  # relative positions slide a window over it instead
         print(f"sample.py: the prompt is {len(ids)} tokens, longer than the {block} positions this model "
               f"knows: it sees the last {block}", file=sys.stderr)
     return ids
@@ -181,12 +205,12 @@ def encode_prompt(model, tok, prompt):
 # ----------------------------------------------------------------------------------------------
 # Decoders: continue the prompt
 
-def continue_text(model, tok, prompt, cfg, device, special):
+def continue_text(model, tok, prompt, cfg, device):
     ids = encode_prompt(model, tok, prompt)
     write(prompt)
     text = tok.streamer(ids)
-    for t in model.generate_tokens(torch.tensor([ids], device=device), cfg.max_new_tokens, cfg.temperature,
-                                   cfg.top_k, cfg.top_p, vocab_limit=tok.vocab_size):
+    for t in generate_tokens(model, torch.tensor([ids], device=device), cfg.max_new_tokens, cfg.temperature,
+                             cfg.top_k, cfg.top_p, vocab_limit=tok.vocab_size, compile=cfg.compile):
         t = t.item()  # printing as we go needs the token on the host
         ids.append(t)
         write(text(t))
@@ -207,8 +231,8 @@ def continue_batch(model, tok, prompts, cfg, device):
     for i, row in enumerate(rows):
         idx[i, T - len(row):] = torch.tensor(row)
         mask[i, T - len(row):] = True
-    out = model.generate(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                         vocab_limit=tok.vocab_size, mask=mask)[:, T:].tolist()
+    out = generate(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, vocab_limit=tok.vocab_size,
+                   mask=mask, compile=cfg.compile)[:, T:].tolist()
     for line, row, new in zip(lines, rows, out):  # the text after the prompt's, as a streamer shows it
         text = tok.streamer(row)
         write(line + "".join(map(text, new)) + text(None) + SEP)
@@ -283,9 +307,9 @@ def fill_spans(model, tok, prompt, cfg, device, special):
     ends = tok.specials() - set(sentinels)  # a pretrained T5's </s> and padding
     out, shown, text = [special["start"]], 0, tok.streamer()  # shown: pieces written after the first
     write(pieces[0])
-    for t in model.generate_tokens(torch.tensor([out], device=device), cfg.max_new_tokens, cfg.temperature,
-                                   cfg.top_k, cfg.top_p, src=torch.tensor([ids], device=device),
-                                   vocab_limit=max(tok.vocab_size, max(sentinels) + 1)):  # text and sentinels
+    for t in generate_tokens(model, torch.tensor([out], device=device), cfg.max_new_tokens, cfg.temperature,
+                             cfg.top_k, cfg.top_p, src=torch.tensor([ids], device=device),
+                             vocab_limit=max(tok.vocab_size, max(sentinels) + 1), compile=cfg.compile):
         t = t.item()
         out.append(t)
         if t in sentinels[1:]:  # sentinel k ends span k - 1

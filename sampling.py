@@ -1,6 +1,6 @@
 """
 Turning logits into tokens: temperature, top-k, top-p (nucleus), and a draw that never waits for
-the device. Transformer.generate_tokens, speculative.py and sample.py share them.
+the device. generate.py and sample.py share them.
 """
 
 import torch

@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import KVCache, LinearState, ModelConfig, linear_attention
+import generate as generate_module
+from generate import cache_size, generate
+from model import ATTENTIONS, KVCache, LinearState, ModelConfig, linear_attention
 
 
 def phi(x):
@@ -59,14 +61,16 @@ def test_the_recurrent_form_is_the_parallel_form():
 
 def greedy_logits(model, prompt, n):
     """The logits of each of n greedy steps of generate(): the model's own decoding path."""
-    seen, step = [], model.decode
+    seen, step = [], generate_module.decode
 
-    def decode(idx, input_pos, src_mask=None):
-        seen.append(step(idx, input_pos, src_mask))
+    def decode(*args):
+        seen.append(step(*args))
         return seen[-1]
-    model.decode = decode
-    out = model.generate(prompt, n, temperature=0)
-    del model.decode
+    generate_module.decode = decode
+    try:
+        out = generate(model, prompt, n, temperature=0)
+    finally:
+        generate_module.decode = step
     return out, torch.stack(seen, dim=1)  # (B, n - 1, V): the logits after each new token but the last
 
 
@@ -106,7 +110,7 @@ def test_linear_encoders_read_both_ways_and_skip_padding(arch, tiny_model):
         changed = model(idx.index_fill(1, torch.tensor([11]), 3))[0]  # the last token is seen by the first
         assert not torch.allclose(changed[:, 0], model(idx)[0][:, 0])
     else:  # the decoder is causal linear attention, its cross-attention softmax over the encoder's output
-        gen = model.generate(torch.zeros(2, 1, dtype=torch.long), 10, temperature=0, src=idx, src_mask=mask)
+        gen = generate(model, torch.zeros(2, 1, dtype=torch.long), 10, temperature=0, src=idx, src_mask=mask)
         teacher = model(gen[:, :-1], src=idx, src_mask=mask)[0].argmax(-1)
         assert torch.equal(teacher, gen[:, 1:])
 
@@ -122,6 +126,28 @@ def test_linear_encoders_read_both_ways_and_skip_padding(arch, tiny_model):
 def test_settings_that_cannot_go_together_are_refused(kw, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig(**kw)
+
+
+@pytest.mark.parametrize("name", list(ATTENTIONS))
+def test_each_kind_of_attention_is_what_its_row_in_the_table_says(name, tiny_model):
+    """model.ATTENTIONS is what the config's checks, the caches and the attention page read: each
+    row's facts hold of the model built with that kind."""
+    kind = ATTENTIONS[name]
+    for ok, kw in [(kind.causal, dict(arch="decoder")), (kind.bidirectional, dict(arch="encoder")),
+                   (kind.bias, dict(pos="alibi")), (kind.bias, dict(pos="relative")), (kind.window, dict(window=4)),
+                   (kind.window, dict(window=4, n_global=1)), (kind.kernel, dict(attn_impl="triton"))]:
+        if ok:
+            ModelConfig(attention=name, **kw)
+        else:
+            with pytest.raises(ValueError, match=f"{name} attention"):
+                ModelConfig(attention=name, **kw)
+    model = tiny_model(attention=name, pos="rope")
+    model.setup_kv_cache(2, 8)
+    assert isinstance(model.decoder.h[0].attn.cache, {"kv": KVCache, "state": LinearState}[kind.keeps])
+    model.clear_kv_cache()
+    weights = {}
+    model(torch.zeros(2, 5, dtype=torch.long), weights=weights)
+    assert any(weights.values()) == kind.weights
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -153,4 +179,4 @@ def test_a_windowed_decoder_with_sinks_streams_past_block_size_in_bounded_memory
         slots.clear()
         out, logits = greedy_logits(model, torch.randint(0, 61, (1, prompt)), 50)
         torch.testing.assert_close(logits, long(out)[0][:, prompt:-1], rtol=1e-4, atol=1e-4)
-        assert set(slots) == {model.cache_size(prompt, 50)} and slots[0] <= n_global + 2 * window
+        assert set(slots) == {cache_size(model, prompt, 50)} and slots[0] <= n_global + 2 * window

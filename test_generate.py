@@ -1,6 +1,6 @@
-"""Generation with model.py: decoding through the KV cache equals recomputing everything, within
-and past block_size; left-padded batches; decoding without host syncs, compiled; sampling; and
-speculative decoding (speculative.py). Every model is conftest's tiny_model (vocab 61, context 32, 2 layers, 4 heads
+"""generate.py: decoding through model.py's KV cache equals recomputing everything, within and
+past block_size; left-padded batches; decoding without host syncs, compiled; sampling; and
+speculative decoding. Every model is conftest's tiny_model (vocab 61, context 32, 2 layers, 4 heads
 of 8, width 32, eval mode), with the overrides a test names."""
 
 import dataclasses
@@ -9,10 +9,12 @@ import itertools
 import pytest
 import torch
 
+import generate as generate_module
 import model as model_module
+from generate import (absolute_positions, accept_or_resample, cache_size, decode, generate, prefill,
+                      speculative_generate)
 from model import POSITIONS, KVCache, Transformer
 from sampling import sample
-from speculative import accept_or_resample, speculative_generate
 
 V = 61  # tiny_model's vocabulary
 
@@ -35,7 +37,7 @@ def greedy_without_cache(model, idx, steps, src=None, temperature=0.0):
     tokens: with absolute positions the last block_size (as nanoGPT crops); with relative ones
     every query attends to its last block_size keys (a sliding window, as generate's cache does)."""
     c = model.config
-    if model.absolute_positions:
+    if absolute_positions(model.config):
         crop = slice(-c.block_size, None)
     else:
         windowed = Transformer(dataclasses.replace(c, window=min(c.window or c.block_size, c.block_size))).eval()
@@ -54,8 +56,8 @@ def greedy_with_cache(model, idx, steps, src=None):
     memory = None
     if src is not None:
         memory = model.encoder(model.wte(src), torch.arange(src.size(1))[None])
-    model.setup_kv_cache(idx.size(0), model.cache_size(idx.size(1), steps), memory)
-    logits = model.prefill(idx, torch.arange(idx.size(1)))[:, None]
+    model.setup_kv_cache(idx.size(0), cache_size(model, idx.size(1), steps), memory)
+    logits = prefill(model, idx, torch.arange(idx.size(1)))[:, None]
     for i in range(steps - 1):
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         idx = torch.cat((idx, nxt), dim=1)
@@ -102,7 +104,7 @@ def test_cached_decoding_equals_recomputing_everything(kw, tiny_model):
     idx, src = prompt(5, B=2), source(kw["arch"], B=2)
     ref_tokens, ref_logits = greedy_without_cache(model, idx, 12, src)
     torch.testing.assert_close(greedy_with_cache(model, idx, 12, src), ref_logits, rtol=0, atol=1e-5)
-    assert torch.equal(model.generate(idx, 12, temperature=0, src=src), ref_tokens)
+    assert torch.equal(generate(model, idx, 12, temperature=0, src=src), ref_tokens)
 
 
 @pytest.mark.parametrize("T", [5, 50], ids=["prompt5", "prompt50"])  # 50: longer than block_size, 6 times over
@@ -117,13 +119,13 @@ def test_generate_past_block_size_sees_block_size_tokens_as_the_reference_does(p
     idx = prompt(T, B=2)
     ref_tokens, ref_logits = greedy_without_cache(model, idx, 14)
     seen = []  # the logits generate() samples from, step by step
-    monkeypatch.setattr(model_module, "sample", lambda logits, *a: seen.append(logits) or logits.argmax(-1, keepdim=True))
+    monkeypatch.setattr(generate_module, "sample", lambda logits, *a: seen.append(logits) or logits.argmax(-1, keepdim=True))
     shapes, attend = [], model_module.attention  # (queries, keys) of each call
     monkeypatch.setattr(model_module, "attention", lambda q, k, *a: shapes.append(q.shape[2:3] + k.shape[2:3])
                         or attend(q, k, *a))
-    assert torch.equal(model.generate(idx, 14, temperature=0), ref_tokens)
+    assert torch.equal(generate(model, idx, 14, temperature=0), ref_tokens)
     torch.testing.assert_close(torch.stack(seen, 1), ref_logits, rtol=0, atol=1e-5)
-    if T == 50 and not model.absolute_positions:
+    if T == 50 and not absolute_positions(model.config):
         layers = model.config.n_layer
         # 50 = 16 + 3 x 9 + 7 (a piece of n overwrites the n oldest of 16 keys: 9 = 16 - 8 + 1), then decoding
         assert shapes[:6 * layers:layers] == [(16, 16)] + [(9, 16)] * 3 + [(7, 16), (1, 16)]
@@ -133,8 +135,8 @@ def test_generate_past_block_size_sees_block_size_tokens_as_the_reference_does(p
 def test_windowed_cache_holds_at_most_window_positions(tiny_model):
     model = tiny_model(pos="rope", window=4)
     sizes = []
-    model.decoder.h[0].attn.register_forward_hook(lambda m, i, o: sizes.append(m.kv_cache.k.size(2)))
-    model.generate(torch.zeros(1, 3, dtype=torch.long), 40, temperature=0)
+    model.decoder.h[0].attn.register_forward_hook(lambda m, i, o: sizes.append(m.cache.k.size(2)))
+    generate(model, torch.zeros(1, 3, dtype=torch.long), 40, temperature=0)
     assert len(sizes) == 40 and set(sizes) == {4}
 
 
@@ -144,12 +146,12 @@ def test_the_cache_is_a_ring_written_in_place_one_slot_per_token(tiny_model):
     and the new tokens, with no empty slots to attend over (unless compile_decode rounds it up)."""
     model = tiny_model(pos="rope", window=4)
     model.setup_kv_cache(1, 4)
-    model.prefill(prompt(3, B=1), torch.arange(3))
-    cache = model.decoder.h[0].attn.kv_cache
+    prefill(model, prompt(3, B=1), torch.arange(3))
+    cache = model.decoder.h[0].attn.cache
     buffers = cache.k.data_ptr(), cache.v.data_ptr()
     for p in range(3, 10):
         k, v = cache.k.clone(), cache.v.clone()
-        model.decode(prompt(1, B=1, seed=p), torch.tensor([[p]]))
+        decode(model, prompt(1, B=1, seed=p), torch.tensor([[p]]))
         assert (cache.k.data_ptr(), cache.v.data_ptr()) == buffers
         for new, old in ((cache.k, k), (cache.v, v)):
             assert (new != old).any(dim=(0, 1, 3)).nonzero().flatten().tolist() == [p % 4]
@@ -157,8 +159,8 @@ def test_the_cache_is_a_ring_written_in_place_one_slot_per_token(tiny_model):
     model.clear_kv_cache()
     for window, T, size in ((0, 5, 12), (4, 3, 4), (4, 5, 8)):  # a prompt past the window: room for its pieces
         sizes, m = [], tiny_model(pos="rope", window=window)
-        m.decoder.h[0].attn.register_forward_hook(lambda mod, i, o: sizes.append(mod.kv_cache.k.size(2)))
-        m.generate(prompt(T, B=1), 7, temperature=0)
+        m.decoder.h[0].attn.register_forward_hook(lambda mod, i, o: sizes.append(mod.cache.k.size(2)))
+        generate(m, prompt(T, B=1), 7, temperature=0)
         assert set(sizes) == {size}
 
 
@@ -168,7 +170,7 @@ def test_encoder_decoder_generation_encodes_the_source_once(tiny_model):
     model.encoder.register_forward_hook(lambda m, i, o: calls.append(1))
     cross = model.decoder.h[0].cross_attn.c_kv
     cross.register_forward_hook(lambda m, i, o: calls.append(2))
-    model.generate(prompt(1, B=2), 10, src=source("encoder-decoder", B=2))
+    generate(model, prompt(1, B=2), 10, src=source("encoder-decoder", B=2))
     assert calls == [1, 2]  # one encoder pass, one projection of its keys and values
 
 
@@ -180,9 +182,21 @@ def test_gqa_cache_is_n_head_over_n_kv_head_times_smaller(tiny_model):
     assert cache_numel(8) == 4 * cache_numel(2) == 8 * cache_numel(1)
 
 
+def test_the_compiled_step_decodes_as_the_plain_one_in_a_cache_of_256_slots(monkeypatch, tiny_model):
+    """generate(compile=True) steps through torch.compile's decode (a stand-in here: no compiler),
+    in a cache rounded up to 256 slots, so that other prompts reuse its graph: the same tokens."""
+    sizes = []
+    def recording_compile(fn, **kw):
+        return lambda model, *args: (sizes.append(model.decoder.cache_pos.size(1)), fn(model, *args))[1]
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    model, idx = tiny_model(pos="rope"), prompt(5)
+    assert torch.equal(generate(model, idx, 9, temperature=0, compile=True), generate(model, idx, 9, temperature=0))
+    assert sizes == [256] * 8  # every step after the prefill
+
+
 def test_generate_rejects_an_encoder(tiny_model):
     with pytest.raises(ValueError, match="encoder does not generate"):
-        tiny_model(arch="encoder").generate(torch.zeros(1, 2, dtype=torch.long), 3)
+        generate(tiny_model(arch="encoder"), torch.zeros(1, 2, dtype=torch.long), 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,7 +209,7 @@ def test_decoding_never_reads_a_tensor_value_on_the_host(monkeypatch, tiny_model
             raise AssertionError(f"Tensor.{name} would wait for the device")
         monkeypatch.setattr(torch.Tensor, name, refuse)
     for model in models:  # sampling with top-k and top-p, and the crop past a learned table
-        out = model.generate(prompt(5, B=2), 12, temperature=0.9, top_k=10, top_p=0.9)
+        out = generate(model, prompt(5, B=2), 12, temperature=0.9, top_k=10, top_p=0.9)
         assert out.shape == (2, 17)
 
 
@@ -206,13 +220,13 @@ def test_the_decode_step_compiles_into_one_graph_and_matches_eager(kw, tiny_mode
     model = tiny_model(**kw)
     src = prompt(6, seed=2) if kw.get("arch") == "encoder-decoder" else None
     memory = model.encoder(model.wte(src), torch.arange(6)[None]) if src is not None else None
-    step = torch.compile(model.decode, backend="aot_eager", fullgraph=True)  # fullgraph: no breaks
+    compiled = torch.compile(decode, backend="aot_eager", fullgraph=True)  # fullgraph: no breaks
     outs = []
-    for decode in (model.decode, step):
+    for step in (decode, compiled):
         model.setup_kv_cache(1, 16, memory)
         with torch.no_grad():
             model(prompt(3), input_pos=torch.arange(3))
-            outs.append(torch.stack([decode(prompt(1, seed=i), torch.tensor([[3 + i]])) for i in range(5)]))
+            outs.append(torch.stack([step(model, prompt(1, seed=i), torch.tensor([[3 + i]])) for i in range(5)]))
         model.clear_kv_cache()
     torch.testing.assert_close(outs[0], outs[1])
 
@@ -245,9 +259,9 @@ def test_each_row_of_a_left_padded_batch_has_the_logits_and_the_greedy_output_of
     mask = torch.zeros(len(prompts), T, dtype=torch.bool)
     for i, p in enumerate(prompts):
         idx[i, T - len(p):], mask[i, T - len(p):] = p, True
-    together = model.generate(idx, 15, temperature=0, mask=mask)[:, T:]
+    together = generate(model, idx, 15, temperature=0, mask=mask)[:, T:]
     for i, p in enumerate(prompts):
-        assert torch.equal(together[i], model.generate(p[None], 15, temperature=0)[0, len(p):])
+        assert torch.equal(together[i], generate(model, p[None], 15, temperature=0)[0, len(p):])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,9 +287,9 @@ def test_the_same_seed_samples_the_same_text(tiny_model):
     model = tiny_model(pos="rope")
     idx = torch.zeros(2, 1, dtype=torch.long)
     torch.manual_seed(7)
-    a = model.generate(idx, 20, temperature=1.0, top_k=10)
+    a = generate(model, idx, 20, temperature=1.0, top_k=10)
     torch.manual_seed(7)
-    assert torch.equal(a, model.generate(idx, 20, temperature=1.0, top_k=10))
+    assert torch.equal(a, generate(model, idx, 20, temperature=1.0, top_k=10))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,7 +313,7 @@ def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(kw, draft_kw
             for k, n in itertools.product((1, 3, 5), (8, 30)):
                 out, a, p = speculative_generate(target, draft, idx, n, k=k, temperature=0)
                 if (T, n) not in want:
-                    want[T, n] = target.generate(idx, n, temperature=0)
+                    want[T, n] = generate(target, idx, n, temperature=0)
                 assert torch.equal(out, want[T, n])
                 accepted, proposed = accepted + a, proposed + p
     assert 0 < accepted < proposed  # both paths, keeping drafts and rolling them back, were taken

@@ -20,6 +20,7 @@ import prepare
 import sample
 import tokenizer
 import train
+from generate import generate
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -132,7 +133,7 @@ def test_t5_logits_and_greedy_generation_from_a_padded_source_equal_hfs(version,
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     want = theirs.generate(input_ids=src, attention_mask=mask, do_sample=False, max_new_tokens=20)
     start = torch.zeros(2, 1, dtype=torch.long)  # T5 starts decoding from its pad token, 0
-    assert torch.equal(ours.generate(start, 20, temperature=0, src=src, src_mask=mask.bool()), want)
+    assert torch.equal(generate(ours, start, 20, temperature=0, src=src, src_mask=mask.bool()), want)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-gqa-tied", "mistral-window-8"])
@@ -142,7 +143,7 @@ def test_greedy_generation_through_our_kv_cache_equals_hfs(name, tmp_path):
     ours = hf.from_pretrained(saved(theirs, tmp_path))
     idx = tokens(2, 6)  # 6 + 20 tokens: past Mistral's window of 8
     want = theirs.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, max_new_tokens=20)
-    assert torch.equal(ours.generate(idx, 20, temperature=0), want)
+    assert torch.equal(generate(ours, idx, 20, temperature=0), want)
 
 
 def test_sharded_safetensors_load(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 import kernels
 from model import Mask, ModelConfig, attn_impl
-from speculative import speculative_generate
+from generate import cache_size, generate, prefill, speculative_generate
 from quantize import quantize_int8
 
 CUDA = torch.cuda.is_available()
@@ -339,7 +339,7 @@ def test_cached_generation_on_the_kernel_equals_the_math_path(kw, tiny_model):
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 40, (2, 1 if kw["arch"] == "encoder-decoder" else 6), generator=g).to(DEVICE)
     src = torch.randint(0, 40, (2, 9), generator=g).to(DEVICE) if kw["arch"] == "encoder-decoder" else None
-    out = [tiny_model(attn_impl=impl, **kw).to(DEVICE).generate(idx, 8, temperature=0, src=src)
+    out = [generate(tiny_model(attn_impl=impl, **kw).to(DEVICE), idx, 8, temperature=0, src=src)
            for impl in ("triton", "math")]
     assert torch.equal(out[0], out[1])
 
@@ -353,9 +353,9 @@ def test_past_block_size_a_kernel_model_slides_the_window_the_math_path_does(pos
     logits = []
     for impl in ("triton", "math"):
         model = tiny_model(attn_impl=impl, pos=pos, block_size=8).to(DEVICE)
-        model.setup_kv_cache(2, model.cache_size(16, 4))
+        model.setup_kv_cache(2, cache_size(model, 16, 4))
         with torch.no_grad():  # a prefill twice block_size long, then one token at a time
-            out = [model.prefill(idx[:, :16], torch.arange(16, device=DEVICE))[:, None]]
+            out = [prefill(model, idx[:, :16], torch.arange(16, device=DEVICE))[:, None]]
             out += [model(idx[:, t : t + 1], input_pos=torch.tensor([t], device=DEVICE))[0] for t in range(16, 20)]
         logits.append(torch.cat(out, dim=1))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
@@ -368,7 +368,7 @@ def test_under_autocast_the_kernel_decodes_speculatively_and_with_int8_weights(t
     idx = torch.randint(0, 40, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     def greedy(impl, int8=False):
         model = tiny_model(attn_impl=impl).to(DEVICE)
-        return (quantize_int8(model) if int8 else model).generate(idx, 8, temperature=0)
+        return generate(quantize_int8(model) if int8 else model, idx, 8, temperature=0)
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.float16):
         want = greedy("math")
         target, draft = tiny_model(attn_impl="triton").to(DEVICE), tiny_model(1, attn_impl="triton", n_layer=1).to(DEVICE)
@@ -401,7 +401,7 @@ def test_auto_on_a_gpu_mixes_the_kernel_and_sdpa_per_mask_and_computes_what_the_
         net = tiny_model(attn_impl=impl, **kw).to(DEVICE).train()  # training: the path a training batch takes
         logits, loss = net(idx, idx, src=src, src_mask=valid)
         loss.backward()
-        out = net.eval().generate(idx[:, :1], 2, temperature=0, src=src, src_mask=valid)  # a prefill, a cached step
+        out = generate(net.eval(), idx[:, :1], 2, temperature=0, src=src, src_mask=valid)  # a prefill, a cached step
         results.append((logits, [p.grad for p in net.parameters()], out))
         if impl == "auto":
             assert {c for c, Tq in chosen if Tq > 1} == {"triton", "sdpa"}

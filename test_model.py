@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 import model as model_module
+from generate import generate
 from model import (ARCHS, POSITIONS, Mask, ModelConfig, Transformer, alibi_slopes, apply_rope, attention,
                    relative_bucket, rope, sinusoidal)
 
@@ -114,14 +115,15 @@ def test_self_attention_projects_q_k_v_in_one_matrix_and_cross_attention_q_and_k
 
 @pytest.mark.parametrize("kw", [dict(pos="alibi", window=3), dict(pos="relative"), dict(arch="encoder", pos="rope")],
                          ids=config_id)
-def test_math_path_equals_sdpa_and_hands_its_hook_weights_that_sum_to_one(kw, tiny_model):
+def test_math_path_equals_sdpa_and_hands_over_weights_that_sum_to_one(kw, tiny_model):
     idx, _ = inputs("decoder")
     fast = tiny_model(attn_impl="sdpa", n_kv_head=2, **kw)
     slow = tiny_model(attn_impl="math", n_kv_head=2, **kw)
-    weights = []
-    (slow.decoder or slow.encoder).h[1].attn.weights_hook = weights.append
-    torch.testing.assert_close(fast(idx)[0], slow(idx)[0], rtol=1e-5, atol=1e-5)
-    [att] = weights  # one forward pass, one call
+    weights = {}
+    torch.testing.assert_close(fast(idx)[0], slow(idx, weights=weights)[0], rtol=1e-5, atol=1e-5)
+    [stack] = weights.values()  # one forward pass, one stack, a weight matrix per layer
+    assert len(stack) == 2
+    att = stack[1]
     assert att.shape == (2, 4, 10, 10)
     torch.testing.assert_close(att.sum(-1), torch.ones(2, 4, 10))
     if kw.get("arch") != "encoder":
@@ -141,13 +143,13 @@ def test_attention_function_is_the_softmax_formula_with_a_bias_and_with_causal_q
         q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 8)
         bias = torch.randn(2, 4, 5, 7)
         want = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + bias, -1) @ v
-        torch.testing.assert_close(attention(q, k, v, Mask(bias=bias, impl=impl))[0], want)
+        torch.testing.assert_close(attention(q, k, v, Mask(bias=bias, backend=impl))[0], want)
     Tq = 3 if impl == "triton" else 7
     q, k, v = torch.randn(2, 4, Tq, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
     future = torch.ones(Tq, 7, dtype=torch.bool).triu(8 - Tq)
     scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(8)
     want = torch.softmax(scores.masked_fill(future, float("-inf")), -1) @ v.repeat_interleave(2, 1)
-    torch.testing.assert_close(attention(q, k, v, Mask(causal=True, impl=impl))[0], want)
+    torch.testing.assert_close(attention(q, k, v, Mask(causal=True, backend=impl))[0], want)
 
 
 def test_the_attention_path_is_picked_and_the_mask_built_once_per_stack_not_per_layer(monkeypatch, tiny_model):
@@ -473,7 +475,7 @@ def test_learned_positions_refuse_sequences_longer_than_block_size(tiny_model):
     with pytest.raises(ValueError, match="longer than block_size=32"):  # the source, too
         t5(torch.zeros(1, 3, dtype=torch.long), src=long_src)
     with pytest.raises(ValueError, match="longer than block_size=32"):
-        t5.generate(long_src[:, :1], 2, src=long_src)
+        generate(t5, long_src[:, :1], 2, src=long_src)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from generate import generate
 from quantize import Int8Linear, quantize_int8
 
 V = 61  # tiny_model's vocabulary
@@ -44,9 +45,9 @@ def test_quantize_int8_replaces_every_linear_and_keeps_the_logits_close(tiny_mod
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 4 + 1  # qkv, proj, fc, proj; head
     assert ((after - before).abs().max() / before.abs().max()) < 0.05
-    assert model.generate(idx, 5).shape == (2, 15)
+    assert generate(model, idx, 5).shape == (2, 15)
 
 
 def test_an_int8_mixture_of_experts_decodes_though_most_experts_get_no_token(tiny_model):
     model = quantize_int8(tiny_model(n_expert=4, expert_top_k=1))
-    assert model.generate(prompt(3, B=1), 4, temperature=0).shape == (1, 7)  # one token a step: 3 experts idle
+    assert generate(model, prompt(3, B=1), 4, temperature=0).shape == (1, 7)  # one token a step: 3 experts idle

@@ -20,6 +20,7 @@ import common
 import sample
 import train
 from data import new_model_config
+from generate import generate
 from model import ModelConfig, Transformer
 from quantize import quantize_int8
 
@@ -43,7 +44,7 @@ def test_sample_rejects_bad_input_in_one_line(trained, refusal):
              ("--num_samples=0", "num_samples=0 must be at least 1"),
              ("--out_dir=out-nothing", "no checkpoint at out-nothing/ckpt.pt")]
     for path in (".", "no/such/folder/attn.html"):  # refused before sampling, not after
-        cases.append((f"--attention={path}", f"--attention={path} is not a file in an existing folder"))
+        cases.append((f"--attention_page={path}", f"--attention_page={path} is not a file in an existing folder"))
     for arg, fragment in cases:
         refusal(sample.main, ["--out_dir=out-ok", "--max_new_tokens=5", arg], fragment, cwd=d)
     os.makedirs(d / "out-half", exist_ok=True)
@@ -173,7 +174,7 @@ def test_sample_in_bf16_holds_the_weights_in_bf16_with_or_without_a_draft(target
     fast, _ = sample_py(*args, "--draft_dir=out-draft")
     assert "(decoder, cpu, bfloat16 weights)" in err  # cast once, not by autocast at every token
     model, tok, _ = checkpoint.load_model(str(target_and_draft / "out-target"), torch.device("cpu"), torch.bfloat16)
-    out = model.generate(torch.tensor([tok.encode("LEAR:")]), 20, temperature=0)
+    out = generate(model, torch.tensor([tok.encode("LEAR:")]), 20, temperature=0)
     assert text.split(SEP)[0] == tok.decode(out[0].tolist())
     assert fast == text  # the draft, loaded in the target's dtype: greedy, the same text
 
@@ -181,21 +182,19 @@ def test_sample_in_bf16_holds_the_weights_in_bf16_with_or_without_a_draft(target
 def test_sample_in_int8_prints_the_int8_models_text_and_pages_its_attention_weights(target_and_draft, sample_py):
     d = target_and_draft
     text, err = sample_py("--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=10", "--quantize=int8",
-                          "--attention=attn.html", "--temperature=0")
+                          "--attention=attn.html", "--temperature=0")  # the page's old setting: still taken
+    assert "sample.py: --attention is now --attention_page\n" in err
     data = page_data(d / "attn.html")
     assert [len(k["queries"]) for k in data["kinds"]] == [len("LEAR:") + 10]
     # the same here: the int8 model's greedy text, and each layer's weights (in units of 1e-4)
     model, tok, _ = checkpoint.load_model(str(d / "out-target"), torch.device("cpu"))
     assert f"{sum(isinstance(m, nn.Linear) for m in model.modules())} Linear layers in int8" in err
     quantize_int8(model)
-    out = model.generate(torch.tensor([tok.encode("LEAR:")]), 10, temperature=0)
+    out = generate(model, torch.tensor([tok.encode("LEAR:")]), 10, temperature=0)
     assert text.split(SEP)[0] == tok.decode(out[0].tolist())
-    model.config.attn_impl = "math"  # the path that computes the weights, handed to each layer's hook
-    layers = []
-    for block in model.decoder.h:
-        block.attn.weights_hook = lambda att: layers.append(att[0])
-    model(out)
-    layers = torch.stack(layers) * 1e4  # (n_layer, nh, T, T)
+    weights = {}  # each layer's, from the math path, which computes them
+    model(out, weights=weights)
+    layers = torch.stack([att[0] for att in weights["decoder self-attention"]]) * 1e4  # (n_layer, nh, T, T)
     page = torch.tensor(data["kinds"][0]["weights"], dtype=torch.float32)
     torch.testing.assert_close(page, layers.round(), rtol=0, atol=1.0)  # 1e-4: threads may round apart
 
@@ -231,7 +230,7 @@ def test_every_sample_mode_gives_a_result_one_summary_line_and_its_first_sequenc
     results, timed = [], sample.timed
     monkeypatch.setattr(sample, "timed", lambda fn, device: (results.append(timed(fn, device)), results[-1])[1])
     capsys.readouterr()
-    assert in_process(sample.main, [*args, "--num_samples=2", "--max_new_tokens=6", "--attention=attn.html"],
+    assert in_process(sample.main, [*args, "--num_samples=2", "--max_new_tokens=6", "--attention_page=attn.html"],
                       cwd=every_arch) == 0
     out, err = capsys.readouterr()
     (samples, _), = results  # main timed every sample at once
@@ -251,7 +250,7 @@ def test_every_sample_mode_gives_a_result_one_summary_line_and_its_first_sequenc
     (["--out_dir=out-encoder", "--start=[MASK]", "--draft_dir=out-draft"], "an encoder fills in blanks"),
     (["--out_dir=out-target", "--draft_dir=out-encoder"], "out-encoder is an encoder: give --draft_dir a small decoder"),
     (["--out_dir=out-target", "--draft_dir=out-linear"], "linear attention's state cannot take back rejected draft"),
-    (["--out_dir=out-linear", "--attention=attn.html"], "linear attention has no attention weights to draw"),
+    (["--out_dir=out-linear", "--attention_page=attn.html"], "linear attention has no attention weights to draw"),
 ], ids=["batch", "encoder-target", "encoder-draft", "linear-draft", "linear-page"])
 def test_sample_refuses_what_speculative_decoding_cannot_do_before_it_starts(every_arch, args, message, refusal):
     refusal(sample.main, args, message, cwd=every_arch)
@@ -262,16 +261,16 @@ def test_a_linear_attention_decoder_samples_what_its_generate_gives(every_arch, 
     assert in_process(sample.main, ["--out_dir=out-linear", "--start=LEAR:", "--max_new_tokens=6", "--temperature=0",
                                     "--num_samples=1"], cwd=every_arch) == 0
     model, tok, _ = checkpoint.load_model(every_arch / "out-linear", torch.device("cpu"))
-    want = tok.decode(model.generate(torch.tensor([tok.encode("LEAR:")]), 6, temperature=0)[0].tolist())
+    want = tok.decode(generate(model, torch.tensor([tok.encode("LEAR:")]), 6, temperature=0)[0].tolist())
     assert capsys.readouterr().out.startswith(want)
 
 
 def test_sample_keeps_the_traceback_of_a_value_error_that_a_bug_raises(target_and_draft, run):
     # sample.py turns bad input into one line; any other error, a ValueError too, is a bug to report whole
-    broken = ("import runpy, sys, model\n"
+    broken = ("import runpy, sys, generate\n"
               "def generate_tokens(*args, **kwargs):\n"
               "    raise ValueError('a bug')\n"
-              "model.Transformer.generate_tokens = generate_tokens\n"
+              "generate.generate_tokens = generate_tokens\n"
               f"runpy.run_path({os.path.abspath(sample.__file__)!r}, run_name='__main__')\n")
     code, _, err = run(sys.executable, "-c", broken, "--out_dir=out-target", "--max_new_tokens=3", cwd=target_and_draft,
                        env={"PYTHONPATH": os.path.dirname(os.path.abspath(sample.__file__))})

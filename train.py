@@ -24,12 +24,15 @@ import sys
 from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, replace
 
-# Ctrl-C while torch loads (seconds) or the run is set up ends it quietly: status 130, no traceback.
-# The training loop then takes over SIGINT to save a checkpoint first. A reader that stops early
-# (`| head`) ends the run as it ends any Unix tool, without a traceback.
-if __name__ == "__main__":
+
+def exit_quietly_on_signals():
+    """Ctrl-C ends the run (status 130), and so does a reader that stops early (`| head`): no traceback."""
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+if __name__ == "__main__":  # before torch's import, not in main: the import takes seconds, and Ctrl-C counts then too
+    exit_quietly_on_signals()
 
 import torch
 import torch.distributed as dist
@@ -108,6 +111,10 @@ EVAL_NOTICE_S = 5  # an evaluation expected to take longer than this (seconds) s
 STOP = []  # the signals received (SIGINT, SIGTERM): the run saves and stops at the next iteration
 
 
+def checkpoint_paths(out_dir):  # the latest state (--init_from=resume continues it) and the lowest val loss
+    return os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "best.pt")
+
+
 def log(message):
     if MASTER:
         print(message)
@@ -133,13 +140,13 @@ def model_config_of(cfg, model_args, meta, ckpt):
     """The model's settings: from the command line for a new run; else from the checkpoint to
     resume, or the pretrained model to finetune, where only RUN_TIME settings may change (and a
     pretrained model's block_size may shrink: its position table is cropped)."""
-    source = f"{cfg.out_dir}/ckpt.pt" if cfg.init_from == "resume" else cfg.init_from
+    source = checkpoint_paths(cfg.out_dir)[0] if cfg.init_from == "resume" else cfg.init_from
     if ckpt is None:
         return new_model_config(model_args, meta["vocab_size"])
     try:
         config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
-        may_change = RUN_TIME + ("block_size",) * (cfg.init_from != "resume" and
-                                                   model_args.get("block_size", 0) <= config.block_size)
+        may_shrink = cfg.init_from != "resume" and model_args.get("block_size", 0) <= config.block_size
+        may_change = RUN_TIME + ("block_size",) if may_shrink else RUN_TIME
         config = replace(config, **{k: v for k, v in model_args.items() if k in may_change})
     except ValueError as e:
         raise UsageError(f"bad model settings: {e}") from None
@@ -328,7 +335,7 @@ def train(cfg, model_args, held, given=()):
     writes = not cfg.eval_only  # --eval_only looks at a run and writes nothing
     if MASTER and writes:  # take out_dir, and find out now that it takes files, not at the first checkpoint
         prepare_out_dir(cfg.out_dir, held)
-    ckpt_path, best_path = (os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt"))
+    ckpt_path, best_path = checkpoint_paths(cfg.out_dir)
     if writes and cfg.init_from != "resume":
         for p in (ckpt_path, best_path):
             if os.path.exists(p):
@@ -426,7 +433,7 @@ def start_line(run, dtype):
 def record_evaluation(run, it, losses, progress, saved_at, report):
     """Log an evaluation, save best.pt when val improves and ckpt.pt (unless the loss is not finite),
     then hand it to the report; returns the iteration that ckpt.pt holds."""
-    cfg, ckpt_path = run.cfg, os.path.join(run.cfg.out_dir, "ckpt.pt")
+    cfg, (ckpt_path, best_path) = run.cfg, checkpoint_paths(run.cfg.out_dir)
     progress.update(evaluated_at=it, val_loss=losses["val"])
     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
         f"({time.time() - START:.1f} s since start)")
@@ -435,7 +442,7 @@ def record_evaluation(run, it, losses, progress, saved_at, report):
     elif not cfg.eval_only:
         if losses["val"] < progress["best_val_loss"]:
             progress["best_val_loss"] = losses["val"]
-            save(run, os.path.join(cfg.out_dir, "best.pt"), it, **progress)
+            save(run, best_path, it, **progress)
         if cfg.always_save_checkpoint and save(run, ckpt_path, it, **progress):
             saved_at = it
     if report:  # after the checkpoints, which matter more
@@ -448,7 +455,7 @@ def loop(run, it, progress, dtype):
     the best val loss so far and the iteration of the last evaluation, which checkpoints keep."""
     cfg, device = run.cfg, run.device
     writes = not cfg.eval_only
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    ckpt_path, _ = checkpoint_paths(cfg.out_dir)
     tokens_per_iter, mfu = start_line(run, dtype)
     report = Report(run, it, tokens_per_iter, dtype) if writes and MASTER else None  # metrics, wandb, the page
     saved_at = it if cfg.init_from == "resume" else None  # what ckpt.pt holds

@@ -1,0 +1,209 @@
+"""
+Decoding, beside the model as in gpt-fast: a prompt goes into the caches that model.py keeps
+(prefill), then one token at a time (decode, compiled if asked), sampled without waiting for the
+device (generate, generate_tokens); and speculative decoding, where a small draft proposes tokens
+and the target keeps those it agrees with.
+
+    from generate import generate
+    out = generate(model, idx, max_new_tokens=100, temperature=0.8, top_k=200)
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from model import ATTENTIONS, autocast_dtype, reach
+from sampling import draw, sample, sampling_probs
+
+COMPILED_CACHE_STEP = 256  # a compiled step's cache sizes come in steps of this, so other prompts reuse its graph
+
+
+def absolute_positions(config):
+    """Whether positions are absolute (added to the embeddings): then the context of a sequence
+    longer than block_size must be recomputed from its new first token."""
+    return config.pos in ("learned", "sinusoidal")
+
+
+def cache_size(model, prompt, new, step=1):
+    """Slots of a cache for a prompt and new tokens: every position, or the last that a query sees
+    (reach), with room for a prompt longer than that to go in by pieces (see prefill), and for the
+    global tokens, which the ring keeps beside it; rounded up to a multiple of step."""
+    r = reach(model.config)
+    size = model.config.n_global + min(prompt + new, r) + (r if prompt > r else 0)
+    return step * math.ceil(size / step)
+
+
+def piece_size(model, T, first=False):
+    """Tokens of a prompt of T that the next piece takes: all of them into a recurrent state; into an
+    empty ring as many as it has slots; into a full one its slots beside the global tokens less the
+    keys a query sees before its own, so that it overwrites no key its queries see."""
+    slots = model.decoder.cache_pos.size(1) if model.decoder.cache_pos is not None else None
+    if slots is None or first:
+        return slots or T
+    return max(1, slots - model.config.n_global - reach(model.config) + 1)
+
+
+def prefill(model, idx, input_pos, mask=None, src_mask=None):
+    """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), idx going into
+    caches that model.setup_kv_cache made. A prompt longer than the cache goes in by pieces: the
+    first fills the ring, each next one overwrites only keys that none of its queries sees.
+    Attention's memory is then O(size^2), not O(T^2). A recurrent state takes the prompt in one piece."""
+    s, n = 0, piece_size(model, idx.size(1), first=True)
+    while s < idx.size(1):
+        piece = slice(s, s + n)
+        logits = model(idx[:, piece], mask=None if mask is None else mask[:, piece], src_mask=src_mask,
+                       input_pos=input_pos[..., piece])[0]
+        s, n = s + n, piece_size(model, idx.size(1))
+    return logits[:, -1]
+
+
+def decode(model, idx, input_pos, src_mask=None):
+    """As prefill, in one piece: with T = 1 every shape is fixed, so torch.compile captures it once."""
+    return model(idx, src_mask=src_mask, input_pos=input_pos)[0][:, -1]
+
+
+def compiled(device):
+    """The decode step compiled: one static graph per cache size, replayed as a CUDA graph on a GPU,
+    plain inductor code elsewhere. torch.compile keeps what it compiled with decode's code, so a
+    second call reuses it."""
+    return torch.compile(decode, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else None)
+
+
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
+             vocab_limit=None, mask=None, compile=False):
+    """Continue idx (B, T) by max_new_tokens sampled tokens -> (B, T + max_new_tokens).
+    temperature=0 is greedy. An encoder-decoder encodes src (B, S) once and decodes from idx
+    (its start token). Only ids below vocab_limit are drawn (vocab_size is often padded).
+    mask (B, T) is False at the left padding of prompts of different lengths. compile: decode
+    through the compiled step."""
+    new = generate_tokens(model, idx, max_new_tokens, temperature, top_k, top_p, src, src_mask, vocab_limit, mask,
+                          compile)
+    return torch.cat([idx, *new], dim=1)
+
+
+@torch.no_grad()
+def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
+                    vocab_limit=None, mask=None, compile=False):
+    """Yield each new token (B, 1) as soon as it is sampled. After a prefill of idx, each step
+    feeds only the newest token through the caches, and nothing waits for the device (but a
+    mixture of experts, whose routing sizes each expert's batch on the host). A left-padded row
+    counts its positions from its first real token, so it decodes as it would alone."""
+    c = model.config
+    if c.arch == "encoder":
+        raise ValueError("an encoder does not generate: fill masked tokens with one forward pass")
+    if c.arch == "encoder-decoder" and src is None:
+        raise ValueError("an encoder-decoder generates from src: generate(model, idx, n, src=src)")
+    step = compiled(idx.device) if compile else decode
+    dtype = autocast_dtype(idx.device)  # the cache in autocast's dtype, not the weights'
+    memory = None if src is None else model.encode(src, src_mask)
+    # the model sees at most block_size tokens: with absolute positions the last block_size of
+    # the prompt; with relative ones all of it, each query through a window of block_size
+    crop = slice(-c.block_size, None) if absolute_positions(c) else slice(None)
+    size = cache_size(model, idx[:, crop].size(1), max_new_tokens, COMPILED_CACHE_STEP if compile else 1)
+
+    def start(idx, mask):  # the prompt (cropped) into fresh caches: the logits after it, its last position
+        tokens, valid = idx[:, crop], None if mask is None else mask[:, crop]
+        model.setup_kv_cache(tokens.size(0), size, memory, dtype)
+        pos = torch.arange(tokens.size(1), device=tokens.device)[None]
+        if valid is not None:
+            pos = (valid.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+        return prefill(model, tokens, pos, valid, src_mask), pos[:, -1:]
+
+    try:
+        logits, pos = start(idx, mask)
+        for i in range(max_new_tokens):
+            idx_next = sample(logits[:, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
+            yield idx_next
+            if i == max_new_tokens - 1:
+                break
+            idx = torch.cat((idx, idx_next), dim=1)
+            mask = None if mask is None else F.pad(mask, (0, 1), value=True)
+            if absolute_positions(c) and idx.size(1) > c.block_size:
+                # absolute positions must shift: recompute the last block_size tokens as
+                # nanoGPT does (no cache saving from here on)
+                logits, pos = start(idx, mask)
+            else:
+                pos = pos + 1  # on the device, so the loop never waits for it
+                logits = step(model, idx_next, pos, src_mask)
+    finally:
+        model.clear_kv_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): a small draft decoder proposes
+# tokens, the target scores them all in one forward pass and keeps those it agrees with, so that
+# the output follows the target's own distribution, faster. The target's KV cache rolls back what
+# it rejects.
+
+def accept_or_resample(p, q, drafted):
+    """The rule of speculative sampling. p (k+1, V): the target's probabilities at each drafted
+    position and one past; q (k, V): the draft's; drafted (k,). Draft i is kept with probability
+    min(1, p_i(x) / q_i(x)); the first rejected one is replaced by a draw from max(0, p_i - q_i),
+    renormalised, and if all k are kept a token from p_k+1 follows. The tokens returned (a list)
+    are distributed exactly as the target's own samples would be."""
+    k = drafted.numel()
+    i = torch.arange(k, device=p.device)
+    keep = torch.rand(k, device=p.device) < p[i, drafted] / q[i, drafted]
+    n = int(keep.logical_not().nonzero()[0]) if not keep.all() else k  # drafts accepted
+    rest = p[k] if n == k else (p[n] - q[n]).clamp(min=0)
+    return drafted[:n].tolist() + [int(draw(rest[None] / rest.sum()))]
+
+
+@torch.no_grad()
+def speculative_generate(target, draft, idx, max_new_tokens, k=4, temperature=1.0, top_k=None, top_p=None,
+                         vocab_limit=None):
+    """Continue idx (1, T) as `target` would, faster: the `draft` decoder proposes k tokens one by
+    one, the target scores them all in one forward pass, and accept_or_resample keeps what the
+    target agrees with. With temperature=0 the output is exactly the target's greedy decoding.
+    Returns (1, T + max_new_tokens) and the numbers of draft tokens accepted and proposed."""
+    if target.config.arch != "decoder" or draft.config.arch != "decoder":
+        raise ValueError("speculative decoding takes a decoder as target and as draft")
+    if idx.size(0) != 1:
+        raise ValueError("speculative decoding takes one sequence at a time (batch size 1)")
+    for m in (target, draft):
+        if ATTENTIONS[m.config.attention].keeps != "kv":
+            raise ValueError(f"{m.config.attention} attention's state cannot forget tokens: no speculative "
+                             "decoding with it")
+
+    def feed(model, tokens, start):  # tokens (1, n) at positions start.. -> probabilities (n, V)
+        logits = model(tokens, input_pos=torch.arange(start, start + tokens.size(1), device=tokens.device))[0]
+        return sampling_probs(logits[0, :, :vocab_limit], temperature, top_k, top_p)
+
+    out, total = idx[0].tolist(), idx.size(1) + max_new_tokens
+    # drafting stops where absolute positions would have to shift; the target alone finishes
+    end = min([m.config.block_size - k for m in (target, draft) if absolute_positions(m.config)] + [total])
+    accepted = proposed = 0
+    for m in (target, draft):  # room for the k + 1 positions that a rollback may take back
+        m.setup_kv_cache(1, cache_size(m, len(out), max_new_tokens) + k + 1, dtype=autocast_dtype(idx.device))
+    try:
+        # invariant: the target has seen all of out but its last token; the draft all but `pending`
+        if 1 < len(out) < end:
+            for m in (target, draft):
+                prefill(m, idx[:, :-1], torch.arange(len(out) - 1, device=idx.device))
+        pending = idx[:, -1:]
+        while len(out) < end:
+            q, drafted, x, start = [], [], pending, len(out) - pending.size(1)
+            for _ in range(k):  # the draft proposes, one forward pass per token
+                q.append(feed(draft, x, start)[-1:])
+                start += x.size(1)
+                x = draw(q[-1])
+                drafted.append(x)
+            drafted = torch.cat(drafted, dim=1)  # (1, k)
+            last = idx.new_tensor([out[-1:]])
+            p = feed(target, torch.cat((last, drafted), dim=1), len(out) - 1)  # (k + 1, V): one pass
+            new = accept_or_resample(p, torch.cat(q), drafted[0])
+            n = len(new) - 1  # drafts accepted
+            accepted, proposed = accepted + n, proposed + k
+            # each cache keeps the accepted drafts and forgets the rest (the draft saw k - 1 drafts, not the last)
+            target.rollback_kv_cache(k - n)
+            draft.rollback_kv_cache(k - 1 - min(n, k - 1))
+            pending = torch.cat((drafted[:, k - 1:] if n == k else drafted[:, :0], idx.new_tensor([new[-1:]])), dim=1)
+            out += new
+    finally:
+        target.clear_kv_cache()
+        draft.clear_kv_cache()
+    out = idx.new_tensor([out[:total]])
+    if out.size(1) < total:
+        out = generate(target, out, total - out.size(1), temperature, top_k, top_p, vocab_limit=vocab_limit)
+    return out, accepted, proposed
