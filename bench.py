@@ -5,7 +5,7 @@ Every benchmark, one per name. Each measures its baseline in the same run, on th
     python bench.py sample --out_dir=out-shakespeare-char-cpu   # decoding speed; what int8 costs a run
     python bench.py sample --out_dir=out-shakespeare-char --draft_dir=out-small --draft_k=4   # speculative
     python bench.py attention --seqs=1024,4096 --dims=64     # the Triton kernel against torch's (CUDA only)
-    python bench.py stream --lengths=1024,4096,16384   # decoding long sequences: softmax, window + sinks, linear
+    python bench.py stream --lengths=1024,4096,16384   # decoding long sequences: softmax, window, linear, performer
 
 Settings are given as in the other scripts: --key=value, or a config file. A list (--seqs, --dims)
 is written with commas, --seqs=1024,4096, and one value alone as --seqs=1024.
@@ -36,10 +36,11 @@ from checkpoint import load_model
 from common import UsageError, check_ranges, parse_settings, usage
 from data import batch_rng, get_batch, load_data, new_model_config, special_tokens
 from device import peak_flops, pick_device, pick_dtype, precision, precision_name, timed
+from efficient import LinearState, PerformerState
 from generate import cache_size, decode, generate, piece_size, speculative_generate
 from optim import make_optimizer, optimizer_step
 from train import TRAIN_RANGES, TrainConfig
-from model import KVCache, LinearState, ModelConfig, Transformer, attn_impl, autocast_dtype
+from model import KVCache, ModelConfig, Transformer, attn_impl, autocast_dtype
 from quantize import Int8Linear, decode_layout, quantize_int8
 from sample import SampleConfig, load_draft
 
@@ -461,23 +462,25 @@ class StreamConfig:
     steps: int = 64  # decoding steps timed after them
     window: int = 512  # the windowed model's window...
     n_global: int = 4  # ...and its global tokens, the sinks
+    n_features: int = 256  # the performer's random features per head
     device: str = "auto"
     dtype: str = "auto"
 
 
 def streaming(argv):
-    """Decoding tokens/s and the memory of the KV cache (or of linear attention's state) after each
-    length, at batch 1: full softmax attention, a sliding window with global tokens (sinks), and
-    linear attention, on a 4-layer model with random weights and RoPE. Every model reads its
+    """Decoding tokens/s and the memory of the KV cache (or recurrent state) after each length, at batch
+    1: softmax, a window with global tokens (sinks), linear attention and the performer (the kinds that
+    keep something: LSH recomputes), on 4 layers with random weights and RoPE. Every model reads its
     sequence in pieces of 512, then decodes `steps` tokens greedily, timed."""
     cfg = StreamConfig(**parse_settings(argv, StreamConfig)[0])
-    check_ranges(cfg, dict(steps="[1, inf)", window="[1, inf)", n_global="[0, inf)"))
+    check_ranges(cfg, dict(steps="[1, inf)", window="[1, inf)", n_global="[0, inf)", n_features="[1, inf)"))
     lengths, device = sizes(cfg, "lengths"), pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     weights, autocast = precision(dtype, device)
     base = dict(vocab_size=4096, n_layer=4, n_head=4, n_embd=256, pos="rope", block_size=max(lengths) + cfg.steps)
     models = {"softmax, full": {}, f"window {cfg.window} + {cfg.n_global} global": dict(
-        window=cfg.window, n_global=cfg.n_global), "linear": dict(attention="linear")}
+        window=cfg.window, n_global=cfg.n_global), "linear": dict(attention="linear"),
+        f"performer, m={cfg.n_features}": dict(attention="performer", n_features=cfg.n_features)}
     print(f"decoding at batch 1 after L positions: 4 layers, width 256, 4 heads (RoPE), random weights, "
           f"{precision_name(weights, dtype)} on {device}; {cfg.steps} greedy steps timed")
     print(f"{'attention':<24} | {'L':>6} | {'tokens/s':>8} | {'cache or state':>14}")
@@ -506,7 +509,7 @@ def stream_speed(model, L, steps, device, piece=512):
         for _ in range(steps):
             state[:] = decode(model, *state).argmax(-1, keepdim=True), state[1] + 1
     seconds = timed(run, device)[1]
-    cache = [b for m in model.modules() if isinstance(m, (KVCache, LinearState)) for b in m.buffers()]
+    cache = [b for m in model.modules() if isinstance(m, (KVCache, LinearState, PerformerState)) for b in m.buffers()]
     nbytes = sum(b.numel() * b.element_size() for b in cache + [model.decoder.cache_pos] if b is not None)
     model.clear_kv_cache()
     return steps / seconds, nbytes
@@ -515,10 +518,8 @@ def stream_speed(model, L, steps, device, piece=512):
 # ----------------------------------------------------------------------------------------------
 
 # each benchmark: its function, and the settings it parses (which --help lists) but those it skips
-BENCHES = {"train": (training, (TrainConfig, ModelConfig), ("vocab_size",)),
-           "sample": (decoding, (DecodeConfig,), ()),
-           "attention": (attention, (AttentionConfig,), ()),
-           "stream": (streaming, (StreamConfig,), ())}
+BENCHES = {"train": (training, (TrainConfig, ModelConfig), ("vocab_size",)), "sample": (decoding, (DecodeConfig,), ()),
+           "attention": (attention, (AttentionConfig,), ()), "stream": (streaming, (StreamConfig,), ())}
 
 
 def main(argv):

@@ -11,6 +11,7 @@ import inspect
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,13 @@ from typing import get_args
 
 class UsageError(Exception):
     """Bad settings, data or files: reported as one line, exit status 2."""
+
+
+def exit_quietly_on_signals():
+    """A script's Ctrl-C ends it (status 130), and so does a reader that stops early (`| head`, status
+    141), as for any Unix tool: no traceback. train.py's loop later takes SIGINT to save first."""
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 

@@ -97,9 +97,11 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
     step = compiled(idx.device) if compile else decode
     dtype = autocast_dtype(idx.device)  # the cache in autocast's dtype, not the weights'
     memory = None if src is None else model.encode(src, src_mask)
-    # the model sees at most block_size tokens: with absolute positions the last block_size of
-    # the prompt; with relative ones all of it, each query through a window of block_size
-    crop = slice(-c.block_size, None) if absolute_positions(c) else slice(None)
+    # a kind that keeps nothing (LSH) runs the model over its context at every step, as nanoGPT does
+    recompute = ATTENTIONS[model.decoder.kind].keeps == "none"
+    # the model sees at most block_size tokens: with absolute positions (or recomputing) the last
+    # block_size of the prompt; with relative ones all of it, each query through a window of block_size
+    crop = slice(-c.block_size, None) if absolute_positions(c) or recompute else slice(None)
     size = cache_size(model, idx[:, crop].size(1), max_new_tokens, COMPILED_CACHE_STEP if compile else 1)
 
     def start(idx, mask):  # the prompt (cropped) into fresh caches: the logits after it, its last position
@@ -119,7 +121,7 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
                 break
             idx = torch.cat((idx, idx_next), dim=1)
             mask = None if mask is None else F.pad(mask, (0, 1), value=True)
-            if absolute_positions(c) and idx.size(1) > c.block_size:
+            if recompute or absolute_positions(c) and idx.size(1) > c.block_size:
                 # absolute positions must shift: recompute the last block_size tokens as
                 # nanoGPT does (no cache saving from here on)
                 logits, pos = start(idx, mask)

@@ -21,7 +21,8 @@ import math
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, replace
+from collections import namedtuple
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -31,7 +32,7 @@ from checkpoint import describe, load_plain, load_run
 from common import UsageError, check_ranges, parse_settings, usage
 from data import special_tokens
 from tokenizer import Tokenizer, hf_files, token_names, tokenizer_meta
-from model import ModelConfig, Transformer
+from model import ATTENTIONS, ModelConfig, Transformer
 from quantize import Int8Linear
 
 
@@ -44,16 +45,14 @@ class HFError(ValueError):
 # bias map alike, or one parameter; a list is concatenated along the first dim.
 
 GPT2 = {  # GPT2LMHeadModel. Its Conv1D layers store weights transposed: (in, out)
-    "wte": "transformer.wte",
-    "decoder.wpe": "transformer.wpe",
+    "wte": "transformer.wte", "decoder.wpe": "transformer.wpe",
     "decoder.h.{i}.ln_1": "transformer.h.{i}.ln_1",
     "decoder.h.{i}.attn.c_attn": "transformer.h.{i}.attn.c_attn",
     "decoder.h.{i}.attn.c_proj": "transformer.h.{i}.attn.c_proj",
     "decoder.h.{i}.ln_2": "transformer.h.{i}.ln_2",
     "decoder.h.{i}.mlp.c_fc": "transformer.h.{i}.mlp.c_fc",
     "decoder.h.{i}.mlp.c_proj": "transformer.h.{i}.mlp.c_proj",
-    "decoder.ln_f": "transformer.ln_f",
-    "lm_head": "lm_head",
+    "decoder.ln_f": "transformer.ln_f", "lm_head": "lm_head",
 }
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
@@ -67,10 +66,8 @@ BERT = {  # BertForMaskedLM. Token type 0's embedding is folded into the positio
     "encoder.h.{i}.mlp.c_fc": "bert.encoder.layer.{i}.intermediate.dense",
     "encoder.h.{i}.mlp.c_proj": "bert.encoder.layer.{i}.output.dense",
     "encoder.h.{i}.ln_2": "bert.encoder.layer.{i}.output.LayerNorm",
-    "mlm_head.0": "cls.predictions.transform.dense",
-    "mlm_head.2": "cls.predictions.transform.LayerNorm",
-    "lm_head.weight": "cls.predictions.decoder.weight",
-    "lm_head.bias": "cls.predictions.bias",
+    "mlm_head.0": "cls.predictions.transform.dense", "mlm_head.2": "cls.predictions.transform.LayerNorm",
+    "lm_head.weight": "cls.predictions.decoder.weight", "lm_head.bias": "cls.predictions.bias",
 }
 
 LLAMA = {  # LlamaForCausalLM and MistralForCausalLM. HF's q and k are already in RoPE's half-split order
@@ -81,8 +78,7 @@ LLAMA = {  # LlamaForCausalLM and MistralForCausalLM. HF's q and k are already i
     "decoder.h.{i}.ln_2": "model.layers.{i}.post_attention_layernorm",
     "decoder.h.{i}.mlp.c_fc": ["model.layers.{i}.mlp.up_proj", "model.layers.{i}.mlp.gate_proj"],  # up * silu(gate)
     "decoder.h.{i}.mlp.c_proj": "model.layers.{i}.mlp.down_proj",
-    "decoder.ln_f": "model.norm",
-    "lm_head": "lm_head",
+    "decoder.ln_f": "model.norm", "lm_head": "lm_head",
 }
 
 
@@ -132,8 +128,7 @@ def hf_names(names, name):
     layer = re.search(r"\.h\.(\d+)\.", name)
     key = re.sub(r"\.h\.\d+\.", ".h.{i}.", name)
     module, leaf = key.rsplit(".", 1)
-    found = names[key] if key in names else names[module]
-    suffix = "" if key in names else "." + leaf
+    found, suffix = (names[key], "") if key in names else (names[module], "." + leaf)
     found = [found] if isinstance(found, str) else found
     return [n.format(i=layer[1] if layer else None) + suffix for n in found]
 
@@ -230,35 +225,41 @@ def read_config(hf):
                       window=(hf.get("sliding_window") or 0) if kind == "mistral" else 0), False
 
 
+# Each family's rows, one per ModelConfig field: CARRIED (config.json or the weights hold it), HARMLESS (no logit
+# depends on it; transformers needs nothing for it), the value its class has, or a Rule. No row: the default only.
+CARRIED, HARMLESS, Rule = "carried", "harmless", namedtuple("Rule", "test has")  # test(config) or the class has `has`
+SHARED = dict(  # every family's rows, but where FIELDS says otherwise
+    vocab_size=CARRIED, block_size=CARRIED, n_layer=CARRIED, n_head=CARRIED, n_embd=CARRIED, head_size=CARRIED,
+    mlp_hidden=CARRIED, norm_eps=CARRIED, tie_embeddings=CARRIED, dropout=CARRIED,  # eval mode drops nothing
+    attn_impl=HARMLESS, zero_init=HARMLESS,  # a kernel for the same attention; where training started
+    # read only by experts, RoPE, T5's positions, and by the attention kinds and BigBird blocks that rows refuse
+    **dict.fromkeys("expert_top_k moe_aux_weight rope_theta rope_scaling rel_buckets rel_max_distance n_features "
+                    "feature_redraw proj_len bucket_size n_hashes sparse_block".split(), HARMLESS),
+    n_expert=Rule(lambda c: not c.n_expert, "no mixture of experts"), n_global=0, qk_norm=False, logit_softcap=0.0,
+    attention=Rule(lambda c: ATTENTIONS[c.attention].export, "no such attention"), norm_first=True, bias=False,
+    lm_head_bias=False, window=0, n_random=0, n_kv_head=Rule(lambda c: c.n_kv_head == c.n_head, "n_kv_head=n_head"))
+GPT2_ROWS = SHARED | dict(arch="decoder", pos="learned", norm="layernorm", mlp="gelu", gelu_approximate=CARRIED,
+                          bias=CARRIED, head_size=Rule(lambda c: c.head_size * c.n_head == c.n_embd, "n_embd / n_head"))
+T5_MLP = Rule(lambda c: c.mlp == "relu" or (c.mlp, c.gelu_approximate) == ("geglu", "tanh"), "relu or geglu (tanh)")
+LLAMA_ROWS = SHARED | dict(arch="decoder", pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=CARRIED,
+                           rope_theta=CARRIED, rope_scaling=CARRIED, gelu_approximate=HARMLESS)  # its gate is silu
+FIELDS = {"gpt2": GPT2_ROWS, "bert": GPT2_ROWS | dict(arch="encoder", norm_first=False, lm_head_bias=CARRIED),
+          "t5": SHARED | dict(arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp=T5_MLP,
+                              gelu_approximate=T5_MLP, rel_buckets=CARRIED, rel_max_distance=CARRIED),
+          "llama": LLAMA_ROWS, "mistral": LLAMA_ROWS | dict(window=CARRIED)}  # GPT-2, BERT: zero biases if none
+
+
 def family_of(c):
-    """The Hugging Face family a ModelConfig goes to, or an HFError naming what has none."""
-    writes = "nanoformer writes GPT-2, BERT, T5, Llama and Mistral"
-    if c.n_expert:
-        raise HFError(f"a mixture of experts (n_expert={c.n_expert}) has no Hugging Face class here ({writes}, "
-                      "all dense): no export for it")
-    if c.pos in ("alibi", "sinusoidal", "none"):
-        raise HFError(f"pos={c.pos!r} positions have no Hugging Face class here ({writes}): no export for them")
+    """The Hugging Face family a ModelConfig goes to, or an HFError naming a field it has no place for."""
     family = {("decoder", "learned"): "gpt2", ("encoder", "learned"): "bert", ("encoder-decoder", "relative"): "t5",
               ("decoder", "rope"): "mistral" if c.window else "llama"}.get((c.arch, c.pos))
     if family is None:
-        raise HFError(f"arch={c.arch!r} with pos={c.pos!r} has no Hugging Face class here ({writes}): no export for it")
-    need = {"gpt2": dict(norm="layernorm", norm_first=True, mlp="gelu", lm_head_bias=False),
-            "bert": dict(norm="layernorm", norm_first=False, mlp="gelu"),
-            "t5": dict(norm="rmsnorm", norm_first=True, bias=False, lm_head_bias=False),
-            "llama": dict(norm="rmsnorm", norm_first=True, mlp="swiglu", bias=False, lm_head_bias=False)}
-    # none of them has these
-    need = need.get(family, need["llama"]) | dict(qk_norm=False, logit_softcap=0.0, attention="softmax", n_global=0)
-    if family in ("gpt2", "bert", "t5"):  # no grouped-query attention, no sliding window
-        need |= dict(n_kv_head=c.n_head, window=0)
-    if family in ("gpt2", "bert"):
-        need |= dict(head_size=c.n_embd // c.n_head)
-    for key, value in need.items():
-        if getattr(c, key) != value:
-            raise HFError(f"{key}={getattr(c, key)!r}: {FAMILIES[family][0]}, the Hugging Face class for arch="
-                          f"{c.arch!r} with pos={c.pos!r}, has {key}={value!r}: no export for this model")
-    if family == "t5" and not (c.mlp == "relu" or c.mlp == "geglu" and c.gelu_approximate == "tanh"):
-        raise HFError(f"mlp={c.mlp!r} (gelu_approximate={c.gelu_approximate!r}): T5 has relu (v1.0) or geglu "
-                      "with the tanh GELU (v1.1): no export for this model")
+        raise HFError(f"arch={c.arch!r} with pos={c.pos!r} has no Hugging Face class (GPT-2, BERT, T5, Llama, Mistral)")
+    for f in fields(c):  # a field that no row names must keep its default
+        value, row = getattr(c, f.name), FIELDS[family].get(f.name, f.default)
+        if row not in (CARRIED, HARMLESS) and not (row.test(c) if isinstance(row, Rule) else value == row):
+            raise HFError(f"{f.name}={value!r}: {FAMILIES[family][0]} (arch={c.arch!r}, pos={c.pos!r}) has "
+                          f"{row.has if isinstance(row, Rule) else f'{f.name}={row!r}'}: no export for it")
     return family
 
 
@@ -357,7 +358,7 @@ def from_pretrained(path_or_name, device="cpu", dtype=None):
     path = local_dir(path_or_name)
     hf = read_json(os.path.join(path, "config.json"), "a Hugging Face model directory holds config.json")
     try:
-        family, fields, scaled = read_config(hf)
+        family, given, scaled = read_config(hf)
     except KeyError as e:
         raise HFError(f"{path}/config.json lacks {e.args[0]!r}, which a {hf.get('model_type')} config holds: "
                       "download it again") from None
@@ -366,7 +367,7 @@ def from_pretrained(path_or_name, device="cpu", dtype=None):
         tensors = {("" if k.startswith("lm_head") else "transformer.") + k: v for k, v in tensors.items()}
     if family == "bert":  # older files name LayerNorm's parameters as TensorFlow did
         tensors = {re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k)): v for k, v in tensors.items()}
-    names = name_map(family, ModelConfig(**fields))
+    names = name_map(family, ModelConfig(**given))
     emb, head = (hf_names(names, m + ".weight")[0] for m in ("wte", "lm_head"))
     if emb not in tensors:
         raise HFError(f"{path} lacks {emb}: it is not a {FAMILIES[family][0]} checkpoint")
@@ -374,7 +375,7 @@ def from_pretrained(path_or_name, device="cpu", dtype=None):
         raise HFError(f"{path} lacks {head}, the output matrix of a model with untied embeddings: download it again")
     # tied where the file holds no output matrix of its own (or an equal one), as transformers 5 decides
     tied = head not in tensors or torch.equal(tensors[head], tensors[emb])
-    config = ModelConfig(**fields, tie_embeddings=tied)
+    config = ModelConfig(**given, tie_embeddings=tied)
     dtype = dtype or tensors[emb].dtype
     if family == "bert":  # single-segment inputs add token type 0's embedding at every position: fold it in
         tt = tensors.pop("bert.embeddings.token_type_embeddings.weight", None)
@@ -469,10 +470,10 @@ def save_pretrained(model, path, **hf_config):
             tensors[n] = (piece.t() if family == "gpt2" and n.endswith(CONV1D) else piece).contiguous().clone()
     if family == "bert":
         tensors["bert.embeddings.token_type_embeddings.weight"] = torch.zeros(2, c.n_embd, dtype=dtype)
+        tensors["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"].clone()  # its own when untied
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    umask = os.umask(0o22)
-    os.umask(umask)
+    os.umask(umask := os.umask(0o22))  # reading the umask sets it: set it back
     os.chmod(os.path.join(path, "model.safetensors"), 0o666 & ~umask)  # safetensors writes 0600: share as umask says
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(write_config(c, family, dtype) | hf_config, f, indent=2)

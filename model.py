@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import efficient
 import kernels
 
 ARCHS = ("decoder", "encoder", "encoder-decoder")
@@ -32,9 +33,10 @@ ATTN_IMPLS = ("auto", "triton", "sdpa", "math")
 class Kind(NamedTuple):
     """What an attention kind is. ModelConfig's checks and the refusals of sample.py and hf.py read
     these facts, so that a new kind is a row of ATTENTIONS and its function in Attention.attend."""
-    causal: bool  # serves a decoder: each query sees only keys before it
-    bidirectional: bool  # serves an encoder: each query sees every key
-    keeps: str  # while decoding: "kv" (a KV cache, which can forget tokens), "state" (a recurrent state)
+    causal: bool  # serves a decoder (else an encoder-decoder's decoder keeps softmax attention)
+    bidirectional: bool  # serves an encoder
+    keeps: str  # while decoding: "kv" (a KV cache, which can forget tokens), "state" (a recurrent state),
+    # "none" (each step recomputes the context)
     bias: bool  # takes a bias on its scores: ALiBi, T5's relative positions
     window: bool  # takes a window of keys, and global tokens beside it
     weights: bool  # has weights to draw (sample.py's attention page)
@@ -48,6 +50,15 @@ ATTENTIONS = {
     # phi(q) phi(k)ᵀ, phi = elu + 1, O(T) (Katharopoulos et al. 2020)
     "linear": Kind(causal=True, bidirectional=True, keeps="state", bias=False, window=False, weights=False,
                    kernel=False, export=False),
+    # FAVOR+: positive orthogonal random features estimate exp(q·k / sqrt(hs)), O(T m) (Choromanski et al. 2021)
+    "performer": Kind(causal=True, bidirectional=True, keeps="state", bias=False, window=False, weights=False,
+                      kernel=False, export=False),
+    # keys and values projected along the sequence to proj_len rows, O(T k) (Wang et al. 2020)
+    "linformer": Kind(causal=False, bidirectional=True, keeps="none", bias=False, window=False, weights=False,
+                      kernel=False, export=False),
+    # shared-QK attention within buckets of angular LSH, O(T bucket_size) (Kitaev et al. 2020, Reformer)
+    "lsh": Kind(causal=True, bidirectional=True, keeps="none", bias=False, window=False, weights=False,
+                kernel=False, export=False),
 }
 
 
@@ -75,9 +86,16 @@ class ModelConfig:
     n_expert: int = 0  # 0 = dense MLP; > 0 = mixture of this many expert MLPs
     expert_top_k: int = 2  # experts each token is routed to
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss in the training loss
-    attention: str = "softmax"  # the kind: "softmax" or "linear" (see ATTENTIONS)
+    attention: str = "softmax"  # the kind: "softmax", "linear", "performer", "linformer" or "lsh" (ATTENTIONS)
+    n_features: int = 256  # performer: random features per head
+    feature_redraw: int = 0  # performer: draw new features every this many optimizer steps; 0 = never
+    proj_len: int = 256  # linformer: the rows keys and values are projected to
+    bucket_size: int = 64  # lsh: positions per bucket; block_size // bucket_size buckets
+    n_hashes: int = 2  # lsh: hashing rounds
     window: int = 0  # sliding-window attention: keys fewer than `window` positions away; 0 = all
     n_global: int = 0  # with a window: the first n_global positions are seen by all (Longformer), sinks when decoding
+    n_random: int = 0  # with a window, in an encoder: each block of queries sees this many random blocks (BigBird)
+    sparse_block: int = 64  # BigBird's block: positions per block of queries and of keys
     bias: bool = True  # biases in Linear and LayerNorm (GPT-2, BERT: True; Llama, T5: False)
     dropout: float = 0.0
     tie_embeddings: bool = True  # the output layer reuses the token embedding matrix
@@ -93,7 +111,8 @@ class ModelConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known: choose one of "
                                  + ", ".join(map(repr, choices)))
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_size", "mlp_hidden"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_size", "mlp_hidden", "n_features",
+                     "proj_len", "bucket_size", "n_hashes", "sparse_block"):
             if getattr(self, name) is not None and getattr(self, name) < 1:  # None: derived below
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
         if self.n_kv_head is None:
@@ -118,45 +137,63 @@ class ModelConfig:
         if self.n_expert < 0 or (self.n_expert and not 1 <= self.expert_top_k <= self.n_expert):
             raise ValueError(f"expert_top_k={self.expert_top_k} must lie between 1 and n_expert={self.n_expert} "
                              "(and n_expert must be 0 for a dense MLP, or positive)")
-        if self.window < 0:
-            raise ValueError(f"window={self.window} must be 0 (full attention) or a positive span")
-        if self.logit_softcap < 0:
-            raise ValueError(f"logit_softcap={self.logit_softcap} must be 0 (off) or a positive bound such as 15")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout} must lie in [0, 1)")
-        if self.pos == "relative" and not 4 <= self.rel_buckets < 2 * self.rel_max_distance:
+        for wrong, problem in self.conflicts():
+            if wrong:
+                raise ValueError(problem)
+
+    def conflicts(self):
+        """Settings out of range or that cannot go together: (whether so, the problem and the way out).
+        What an attention kind takes is read from its row in ATTENTIONS."""
+        a, kind, triton = self.attention, ATTENTIONS[self.attention], self.attn_impl == "triton"
+        free = efficient.free_blocks(self.block_size, self.sparse_block, self.window, self.n_global) \
+            if self.n_random and not self.block_size % self.sparse_block else None
+        return [
+            (self.window < 0, f"window={self.window} must be 0 (full attention) or a positive span"),
+            (self.logit_softcap < 0, f"logit_softcap={self.logit_softcap} must be 0 (off) or a positive bound "
+             "such as 15"),
+            (not 0.0 <= self.dropout < 1.0, f"dropout={self.dropout} must lie in [0, 1)"),
+            (self.rope_scaling <= 0 or self.rope_theta <= 0, "rope_theta and rope_scaling must be positive "
+             "(rope_scaling=1 means no scaling)"),
             # each stack needs its exact buckets (rel_buckets / 2 offsets in a decoder, half as many per
             # direction in an encoder) to end below max_distance, where the log-spaced ones stop
-            raise ValueError(f"rel_buckets={self.rel_buckets}, rel_max_distance={self.rel_max_distance}: need at "
-                             "least 4 buckets and rel_max_distance above rel_buckets / 2 (T5: 32 and 128)")
-        if self.attn_impl == "triton" and self.pos == "relative":
-            raise ValueError("the Triton kernel has no T5 relative bias: use attn_impl='auto' or 'sdpa' with it")
-        if self.attn_impl == "triton" and self.head_size > kernels.MAX_HEAD_SIZE:
-            raise ValueError(f"the Triton kernel takes heads of at most {kernels.MAX_HEAD_SIZE}, not head_size="
-                             f"{self.head_size}: use attn_impl='auto' or 'sdpa'")
-        if self.attn_impl == "triton" and self.dropout:
-            raise ValueError("the Triton kernel does not drop attention weights: set dropout=0, or use "
-                             "attn_impl='auto', which trains with dropout through SDPA")
-        a, kind = self.attention, ATTENTIONS[self.attention]
-        for wrong, problem in [  # settings that cannot go together: the problem and the way out
+            (self.pos == "relative" and not 4 <= self.rel_buckets < 2 * self.rel_max_distance,
+             f"rel_buckets={self.rel_buckets}, rel_max_distance={self.rel_max_distance}: need at least 4 buckets "
+             "and rel_max_distance above rel_buckets / 2 (T5: 32 and 128)"),
+            (triton and self.pos == "relative", "the Triton kernel has no T5 relative bias: use attn_impl='auto' "
+             "or 'sdpa' with it"),
+            (triton and self.head_size > kernels.MAX_HEAD_SIZE, f"the Triton kernel takes heads of at most "
+             f"{kernels.MAX_HEAD_SIZE}, not head_size={self.head_size}: use attn_impl='auto' or 'sdpa'"),
+            (triton and self.dropout, "the Triton kernel does not drop attention weights: set dropout=0, or use "
+             "attn_impl='auto', which trains with dropout through SDPA"),
+            (triton and not kind.kernel, f"the Triton kernel computes softmax attention, not {a} attention: use "
+             "attn_impl='auto' or 'sdpa'"),
+            (triton and (self.n_global or self.n_random), "the Triton kernel has neither global tokens nor sinks, "
+             "nor random blocks: use attn_impl='auto' (SDPA) or 'sdpa'"),
             (self.pos in ("alibi", "relative") and not kind.bias, f"pos={self.pos!r} adds a bias to attention "
              f"scores, which {a} attention has none of: choose pos='rope', 'learned', 'sinusoidal' or 'none'"),
             ((self.window or self.n_global) and not kind.window, f"{a} attention weighs every key it sees: it has "
              "no window (set window=0), nor global tokens beside one (set n_global=0)"),
-            (self.arch != "encoder" and not kind.causal, f"{a} attention mixes later keys into earlier ones, so a "
-             "decoder cannot have it: use it in an encoder, or choose attention='softmax'"),
-            (self.arch != "decoder" and not kind.bidirectional, f"{a} attention is causal only: an encoder "
+            (self.arch == "decoder" and not kind.causal, f"{a} attention mixes later keys into earlier ones, so a "
+             "decoder cannot have it: use it in an encoder (or an encoder-decoder's encoder)"),
+            (self.arch == "encoder" and not kind.bidirectional, f"{a} attention is causal only: an encoder "
              "cannot have it, choose arch='decoder' or attention='softmax'"),
             (self.n_global < 0 or self.n_global and not self.window, f"n_global={self.n_global}: global tokens "
              "are seen from a window's queries (Longformer): set window, or n_global=0"),
-            (self.attn_impl == "triton" and not kind.kernel, f"the Triton kernel computes softmax attention, not "
-             f"{a} attention: use attn_impl='auto' or 'sdpa'"),
-            (self.attn_impl == "triton" and self.n_global, "the Triton kernel has neither global tokens nor "
-             "sinks: use attn_impl='auto' (SDPA) or 'sdpa'")]:
-            if wrong:
-                raise ValueError(problem)
-        if self.rope_scaling <= 0 or self.rope_theta <= 0:
-            raise ValueError("rope_theta and rope_scaling must be positive (rope_scaling=1 means no scaling)")
+            (self.feature_redraw < 0 or self.n_random < 0, "feature_redraw and n_random must be 0 (off) or positive"),
+            (a == "lsh" and (self.block_size % self.bucket_size or self.block_size // self.bucket_size % 2),
+             f"lsh hashes into block_size // bucket_size buckets, an even number: block_size={self.block_size} "
+             f"and bucket_size={self.bucket_size} do not make one; choose bucket_size to divide block_size / 2"),
+            (a == "lsh" and self.n_kv_head != self.n_head, "lsh attention shares queries and keys (the keys are the "
+             "queries' unit vectors), so it has no key/value head groups: set n_kv_head=None"),
+            (self.n_random and (self.arch == "decoder" or not self.window or a != "softmax"), "BigBird's random "
+             "blocks (n_random) join an encoder's window: set arch='encoder' or 'encoder-decoder', a window, and "
+             "attention='softmax' (a causal BigBird, as Hugging Face's, is refused)"),
+            (self.n_random and (self.pos in ("alibi", "relative") or self.block_size % self.sparse_block),
+             f"n_random: block_size={self.block_size} must be a multiple of sparse_block={self.sparse_block}, and "
+             "the positions not a bias on the scores (pos='learned', 'sinusoidal', 'rope' or 'none')"),
+            (free is not None and (free.sum(1) < self.n_random).any(), f"n_random={self.n_random}: some block of "
+             f"{self.sparse_block} queries has fewer blocks of keys outside its window and the global tokens: "
+             "lower n_random or sparse_block, or raise block_size")]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,6 +292,7 @@ def attn_impl(config, device, training, mask, Tq):
     plain = mask.bias is None and not mask.window and mask.alibi is None and mask.valid is None
     faster = not plain and config.block_size >= KERNEL_MIN_CONTEXT and Tq >= KERNEL_MIN_QUERIES
     applies = (config.pos != "relative" and not (training and config.dropout) and not config.n_global
+               and not config.n_random
                and config.head_size <= kernels.MAX_HEAD_SIZE)
     on_gpu = device.type == "cuda" and kernels.available and faster and applies
     return "triton" if on_gpu and torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
@@ -324,66 +362,56 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
-def linear_attention(q, k, v, causal, valid=None, state=None, chunk=64):
-    """Linear attention (Katharopoulos et al. 2020): exp(q·k) becomes phi(q)·phi(k), phi = elu + 1 > 0,
-    so the sum over keys regroups: y_i = phi(q_i) S / phi(q_i)·z with S = Σ_j phi(k_j) v_jᵀ (hs x hs)
-    and z = Σ_j phi(k_j) over the keys j that query i sees. Bidirectional: one S and z for all.
-    Causal, in chunks of `chunk` positions: within a chunk the masked products, as softmax attention
-    takes them; from the chunks before, their summed states. Memory is O(T), never T x T. q (B, nh,
-    T, hs), k, v (B, n_kv_head, T, hs); valid (B, T): False for padding keys, which add nothing.
-    state (generating): the sums of the tokens before, which the keys continue, then join."""
-    dtype = q.dtype
-    q = (F.elu(q.float()) + 1).unflatten(1, (k.size(1), -1))  # (B, nkv, g, T, hs): g heads share a key head
-    k, v = (F.elu(k.float()) + 1)[:, :, None], v.float()[:, :, None]  # (B, nkv, 1, T, hs)
-    if valid is not None:
-        k, v = (torch.where(valid[:, None, None, :, None], t, 0) for t in (k, v))
-    if not causal:
-        y = (q @ (k.mT @ v)) / (q @ k.sum(-2)[..., None] + 1e-6)
-        return y.flatten(1, 2).to(dtype)
-    T = q.size(-2)
-    C = min(chunk, T)
-    q, k, v = (F.pad(t, (0, 0, 0, -T % C)).unflatten(3, (-1, C)) for t in (q, k, v))  # (..., n, C, hs)
-    kv, kz = k.mT @ v, k.sum(-2)  # each chunk's sums: (B, nkv, 1, n, hs, hs) and (B, nkv, 1, n, hs)
-    S0, z0 = (0, 0) if state is None else (state.S[:, :, None, None], state.z[:, :, None, None])
-    S, z = S0 + kv.cumsum(3) - kv, z0 + kz.cumsum(3) - kz  # the sums of the chunks before each
-    att = (q @ k.mT).tril()  # (B, nkv, g, n, C, C): within a chunk, each query up to itself
-    y = (att @ v + q @ S) / (att.sum(-1, keepdim=True) + q @ z[..., None] + 1e-6)
-    if state is not None:
-        state.S += kv.sum(3)[:, :, 0]
-        state.z += kz.sum(3)[:, :, 0]
-    return y.flatten(3, 4)[..., :T, :].flatten(1, 2).to(dtype)  # (B, nh, T, hs)
-
-
-class LinearState(nn.Module):
-    """Linear attention's memory while generating, in place of a KV cache: S = Σ phi(k) vᵀ (B,
-    n_kv_head, hs, hs) and z = Σ phi(k) (B, n_kv_head, hs) over the tokens so far, in fp32 (sums of
-    many terms). Its size stays the same however long the sequence grows."""
-
-    def __init__(self, batch_size, n_kv_head, head_size, device):
-        super().__init__()
-        shape = (batch_size, n_kv_head, head_size)
-        self.register_buffer("S", torch.zeros(*shape, head_size, device=device), persistent=False)
-        self.register_buffer("z", torch.zeros(shape, device=device), persistent=False)
+def stack_kind(config, causal):
+    """The kind of self-attention a stack runs: the config's, or softmax in an encoder-decoder's
+    decoder when the config's kind serves encoders only (Linformer)."""
+    kind = ATTENTIONS[config.attention]
+    return config.attention if (kind.causal if causal else kind.bidirectional) else "softmax"
 
 
 class Attention(nn.Module):
     """Multi-head attention: self-attention over x, or cross-attention from x to an encoder's output.
-    Only n_kv_head key/value heads are projected and cached (GQA/MQA)."""
+    Only n_kv_head key/value heads are projected and cached (GQA/MQA). kind: the self-attention's
+    kind (ATTENTIONS), whose fixed draws (Performer's features, LSH's rotations, BigBird's blocks)
+    are buffers drawn at init from torch's seed and saved with the weights."""
 
-    def __init__(self, config, cross=False):
+    def __init__(self, config, cross=False, kind="softmax", random_blocks=False):
         super().__init__()
-        self.config, self.cross = config, cross
-        q_size, kv_size = config.n_head * config.head_size, config.n_kv_head * config.head_size
+        self.config, self.cross, self.kind = config, cross, kind
+        c, hs = config, config.head_size
+        q_size, kv_size = config.n_head * hs, config.n_kv_head * hs
         if cross:  # queries from x, keys and values from the encoder's output
             self.c_q = nn.Linear(config.n_embd, q_size, bias=config.bias)
             self.c_kv = nn.Linear(config.n_embd, 2 * kv_size, bias=config.bias)
-        else:  # all three from x: one product, not two (GPT-2's c_attn, gpt-fast's wqkv)
-            self.c_attn = nn.Linear(config.n_embd, q_size + 2 * kv_size, bias=config.bias)
+        else:  # all three from x: one product, not two (GPT-2's c_attn, gpt-fast's wqkv); LSH's keys are its queries
+            self.c_attn = nn.Linear(config.n_embd, q_size + (1 if kind == "lsh" else 2) * kv_size, bias=config.bias)
         self.c_proj = nn.Linear(q_size, config.n_embd, bias=config.bias)
+        if kind == "performer":
+            self.register_buffer("proj", efficient.random_features(c.n_features, hs))
+        if kind == "linformer":  # a random average of the positions at first: K' keeps the scale of K
+            self.proj_k, self.proj_v = (nn.Parameter(torch.randn(c.proj_len, c.block_size) * c.block_size ** -0.5)
+                                        for _ in range(2))
+        if kind == "lsh":
+            self.register_buffer("rotations", efficient.lsh_rotations(c.n_hashes, hs, c.block_size // c.bucket_size))
+        free = efficient.free_blocks(c.block_size, c.sparse_block, c.window, c.n_global) if random_blocks else None
+        # BigBird's, in an encoder: (nh, blocks, n_random) the key blocks each block of queries sees
+        self.register_buffer("random_blocks", None if free is None else efficient.random_blocks(free, c.n_random,
+                                                                                                 c.n_head))
         self.resid_dropout = nn.Dropout(config.dropout)
         # what the layer keeps while generating (Transformer.setup_kv_cache): self-attention what its
-        # kind keeps (a KVCache, a LinearState), cross-attention the encoder's keys and values (k, v)
+        # kind keeps (empty_cache), cross-attention the encoder's keys and values (k, v)
         self.cache = None
+
+    def empty_cache(self, batch_size, size, dtype):
+        """What this self-attention keeps while generating (ATTENTIONS[kind].keeps), empty: a KV cache
+        of `size` slots, a recurrent state (in fp32: sums of many terms), or nothing."""
+        c, dev = self.config, self.c_proj.weight.device
+        if self.kind == "linear":
+            return efficient.LinearState(batch_size, c.n_kv_head, c.head_size, dev)
+        if self.kind == "performer":
+            return efficient.PerformerState(batch_size, c.n_kv_head, c.n_features, c.head_size, dev)
+        return KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev) if ATTENTIONS[self.kind].keeps == "kv" \
+            else None
 
     def heads(self, x):
         return x.unflatten(-1, (-1, self.config.head_size)).transpose(1, 2)  # (B, T, n * hs) -> (B, n, T, hs)
@@ -400,6 +428,10 @@ class Attention(nn.Module):
         if self.cross:  # keys and values of the encoder's output: computed once when generating
             q = self.norm(self.heads(self.c_q(x)))
             k, v = self.cache if self.cache is not None else self.kv(memory)
+        elif self.kind == "lsh":  # shared QK: q and v heads, the keys made from q in lsh_attention
+            q, v = self.heads(self.c_attn(x)).chunk(2, dim=1)
+            q, k = self.norm(q), None
+            q = q if rope is None else apply_rope(q, *rope)
         else:  # q, k, v heads one after another: (B, n_head + 2 * n_kv_head, T, hs)
             q, k, v = self.heads(self.c_attn(x)).split((c.n_head, c.n_kv_head, c.n_kv_head), dim=1)
             q, k = self.norm(q), self.norm(k)
@@ -411,11 +443,22 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask):
         """The output (B, nh, T, hs) of this layer's kind of attention (ATTENTIONS) under mask."""
-        if self.config.attention == "linear" and not self.cross:  # its state continues the tokens before
-            return linear_attention(q, k, v, mask.causal, mask.valid, self.cache)
+        c, dropout = self.config, self.config.dropout if self.training else 0.0
+        if self.kind == "linear":  # a recurrent state, while generating, continues the tokens before
+            return efficient.linear_attention(q, k, v, mask.causal, mask.valid, self.cache)
+        if self.kind == "performer":
+            return efficient.performer_attention(q, k, v, self.proj, mask.causal, mask.valid, self.cache)
+        if self.kind == "linformer":
+            return efficient.linformer_attention(q, k, v, self.proj_k, self.proj_v, mask.valid, dropout)
+        if self.kind == "lsh":
+            return efficient.lsh_attention(q, v, self.rotations, c.bucket_size, mask.causal, mask.valid)
         if isinstance(self.cache, KVCache):
             k, v = self.cache(k, v, mask.slots)
-        y, att = attention(q, k, v, mask, self.config.dropout if self.training else 0.0)
+        if self.random_blocks is not None:  # BigBird: the random blocks' keys too, unless they are padding
+            see = efficient.random_mask(self.random_blocks, q.size(2), c.sparse_block)  # (nh, T, T)
+            see = see if mask.valid is None else see & mask.valid[:, None, None, :]
+            mask = mask._replace(bias=torch.where(see, 0.0, mask.bias))
+        y, att = attention(q, k, v, mask, dropout)
         if mask.weights is not None:  # on the math path, which computes them
             mask.weights.append(att.detach())
         return y
@@ -492,11 +535,11 @@ class Block(nn.Module):
     """Self-attention, cross-attention (decoder of an encoder-decoder), feed-forward: each a
     residual branch with its norm."""
 
-    def __init__(self, config, cross=False):
+    def __init__(self, config, cross=False, kind="softmax", random_blocks=False):
         super().__init__()
         self.norm_first = config.norm_first
         self.ln_1 = make_norm(config)
-        self.attn = Attention(config)
+        self.attn = Attention(config, kind=kind, random_blocks=random_blocks)
         self.ln_cross = make_norm(config) if cross else None
         self.cross_attn = Attention(config, cross=True) if cross else None
         self.ln_2 = make_norm(config)
@@ -520,6 +563,7 @@ class Stack(nn.Module):
     def __init__(self, config, causal, cross=False):
         super().__init__()
         self.config, self.causal, self.cross = config, causal, cross
+        self.kind = stack_kind(config, causal)
         if config.pos == "learned":
             self.wpe = nn.Embedding(config.block_size, config.n_embd)
         if config.pos == "relative":  # one table per stack, shared by its layers (as in T5)
@@ -527,7 +571,8 @@ class Stack(nn.Module):
         if config.pos == "alibi":
             self.register_buffer("slopes", torch.tensor(alibi_slopes(config.n_head)), persistent=False)
         self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList(Block(config, cross) for _ in range(config.n_layer))
+        bigbird = bool(config.n_random) and not causal
+        self.h = nn.ModuleList(Block(config, cross, self.kind, bigbird) for _ in range(config.n_layer))
         self.ln_f = make_norm(config)
         self.cache_pos = None  # (B, size) while generating: the position each cache slot holds, -1: none
 
@@ -572,7 +617,7 @@ class Stack(nn.Module):
         (valid (B, Tq): False for padding; slots: where a KV cache keeps the keys) with its backend,
         chosen once here for every layer (the math path when weights are kept), and built once in
         that backend's form."""
-        if self.config.attention != "softmax":  # its own function: causal or not, and the padding
+        if self.kind != "softmax":  # its own function: causal or not, and the padding
             return Mask(self.causal, valid=valid)
         pieces = self.pieces(window, valid)
         backend = "math" if weights is not None else attn_impl(self.config, pos.device, self.training, pieces,
@@ -581,8 +626,8 @@ class Stack(nn.Module):
             return pieces._replace(backend=backend)
         bias = self.attn_bias(pos, keys, own, window) if slots is not None or valid is not None or window or \
             self.config.pos in ("alibi", "relative") else None
-        return Mask(self.causal, bias=bias, backend="sdpa" if backend == "triton" else backend, slots=slots,
-                    weights=weights)
+        return Mask(self.causal, valid=valid, bias=bias, backend="sdpa" if backend == "triton" else backend,
+                    slots=slots, weights=weights)
 
     def memory_mask(self, Tq, valid, device, weights=None):
         """The same for cross-attention to the encoder's output, whose padding is valid (B, S)."""
@@ -704,20 +749,31 @@ class Transformer(nn.Module):
         n += c.vocab_size * c.n_embd  # the output layer, whether it shares the embedding's matrix or not
         return 6 * n + (1 + (c.arch == "encoder-decoder")) * 12 * c.n_layer * c.n_head * c.head_size * T
 
+    @torch.no_grad()
+    def redraw_features(self, step, seed):
+        """Performer: after optimizer step `step`, every feature_redraw steps, each layer draws a new
+        random projection, from (seed, step), so that a resumed run draws what it would have drawn.
+        Evaluation and sampling never call it: they use the projection trained with, saved with it."""
+        n = self.config.feature_redraw
+        if not n or step % n:
+            return
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        for m in self.modules():
+            if isinstance(m, Attention) and m.kind == "performer":
+                m.proj.copy_(efficient.random_features(*m.proj.shape, generator))
+
     # ------------------------------------------------------------------------------------------
     # The caches that generation reads and writes (generate.py drives them)
 
     def setup_kv_cache(self, batch_size, size, memory=None, dtype=None):
         """Give every decoder self-attention what its kind keeps (ATTENTIONS): an empty KV cache of
-        `size` slots (n_kv_head heads each), or a recurrent state; and every cross-attention the keys
-        and values of the encoder's output `memory`, computed once."""
+        `size` slots (n_kv_head heads each), a recurrent state, or nothing; and every cross-attention
+        the keys and values of the encoder's output `memory`, computed once."""
         dev = self.wte.weight.device
         dtype = dtype or self.wte.weight.dtype
-        c = self.config
-        kv = ATTENTIONS[c.attention].keeps == "kv"  # else a state of fixed size per layer
+        kv = ATTENTIONS[self.decoder.kind].keeps == "kv"
         for block in self.decoder.h:
-            block.attn.cache = (KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev) if kv
-                                else LinearState(batch_size, c.n_kv_head, c.head_size, dev))
+            block.attn.cache = block.attn.empty_cache(batch_size, size, dtype)
             if memory is not None:
                 block.cross_attn.cache = block.cross_attn.kv(memory)
         self.decoder.cache_pos = torch.full((batch_size, size), -1, device=dev) if kv else None

@@ -15,22 +15,15 @@ encoder-decoder (span corruption) fills each [MASK] with a span of any length.
 """
 
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
+import common  # no torch: it sets the signals before torch's import
 
-def exit_quietly_on_signals():
-    """Ctrl-C ends sampling (status 130), and so does a reader that stops early (`| head`, status
-    141), as for any Unix tool: no traceback."""
-    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-
-
-if __name__ == "__main__":  # before torch's import, not in main: the import takes seconds, and Ctrl-C counts then too
-    exit_quietly_on_signals()
+if __name__ == "__main__":  # before torch's import, not in main: it takes seconds, and Ctrl-C counts then too
+    common.exit_quietly_on_signals()
 
 import torch
 

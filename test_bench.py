@@ -76,12 +76,12 @@ def test_bench_sample_decodes_the_same_tokens_as_transformers_from_the_same_weig
     assert 0 < diff < 0.05  # int8 was applied, and rounds each weight by at most half a step
 
 
-def test_bench_stream_shows_the_cache_growing_with_length_and_the_window_and_state_not(in_process, capsys):
+def test_bench_stream_shows_the_cache_growing_with_length_and_the_window_and_states_not(in_process, capsys):
     assert in_process(bench.main, ["stream", "--lengths=64,256", "--steps=4", "--window=32", "--n_global=2",
-                                   "--device=cpu"]) == 0
+                                   "--n_features=16", "--device=cpu"]) == 0
     rows = re.findall(r"^(.+?) +\| +(\d+) \| +([\d.]+) \| +([\d.]+) MiB$", capsys.readouterr().out, re.M)
     mib = {(name, int(L)): float(m) for name, L, _, m in rows}
-    assert len(rows) == 6 and all(float(tps) > 0 for _, _, tps, _ in rows)
+    assert len(rows) == 8 and all(float(tps) > 0 for _, _, tps, _ in rows)
     # full attention keeps every position: 4 layers x k and v x 4 heads x 64, fp32, plus a position per slot
     per_slot = (4 * 2 * 4 * 64 * 4 + 8) / 2**20
     assert mib["softmax, full", 256] == pytest.approx(mib["softmax, full", 64] * 260 / 68, rel=0.01)
@@ -89,6 +89,8 @@ def test_bench_stream_shows_the_cache_growing_with_length_and_the_window_and_sta
     assert mib["window 32 + 2 global", 64] == mib["window 32 + 2 global", 256] == pytest.approx(per_slot * 66, abs=0.006)
     state = 4 * 4 * (64 * 64 + 64) * 4 / 2**20  # layers x n_kv_head x (S + z), fp32
     assert mib["linear", 64] == mib["linear", 256] == pytest.approx(state, abs=0.006)
+    state = 4 * 4 * (16 * 64 + 16 + 1) * 4 / 2**20  # layers x n_kv_head x (S + z + the running max), fp32
+    assert mib["performer, m=16", 64] == mib["performer, m=16", 256] == pytest.approx(state, abs=0.006)
 
 
 def test_a_token_reads_every_linear_and_norm_weight_once(tiny_model):

@@ -16,6 +16,7 @@ import torch
 import sample
 import train
 from model import ModelConfig, Transformer
+from optim import learning_rate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -38,10 +39,34 @@ def weights(path):
     return torch.load(path, weights_only=True)["model"]
 
 
-def assert_same_weights(a, b, atol=1e-6):
+def rounding(path):
+    """(atol, travel) for comparing a run's weights with the same run's in another order of sums.
+    travel: the sum of AdamW's learning rate over the iterations, as far as AdamW moves a weight
+    whatever its gradient (m / sqrt(v) is scale-free). Each step's gradient sums one term a token of
+    the batch; in another order it differs by up to (tokens * eps) relative, and so does AdamW's step:
+    atol = tokens * eps * travel (128 tokens, 2e-7 here; a gradient summed instead of averaged moves
+    weights by 3e-5, one rank's half-batch alone by 2e-2)."""
+    ckpt = torch.load(path, weights_only=True)
+    cfg = train.TrainConfig(**ckpt["train_config"])
+    travel = sum(learning_rate(it, cfg) for it in range(ckpt["iter_num"]))
+    tokens = cfg.batch_size * cfg.gradient_accumulation_steps * ckpt["model_config"]["block_size"]
+    return tokens * torch.finfo(torch.float32).eps * travel, travel
+
+
+def assert_same_weights(a, b, tolerances, atol=None):
+    """Equal to rounding (tolerances: rounding() of the run; atol, where given, overrides its atol).
+    The key bias is the exception: softmax ignores a shift common to every key (learned positions, no
+    QK-norm), so its gradient is 0 but for rounding, which AdamW normalises into steps: each run's
+    key bias is its own noise, equal only to within travel. FSDP can get nothing wrong that it alone shows."""
+    atol, travel = tolerances[0] if atol is None else atol, tolerances[1]
     assert a.keys() == b.keys()
-    for k in a:  # the same sums in another order: equal to rounding
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=atol)
+    for k in a:
+        tol = torch.full_like(a[k], atol)
+        if k.endswith(".attn.c_attn.bias"):  # q, k, v one after another; q as wide as c_proj's input
+            q = a[k.replace("c_attn.bias", "c_proj.weight")].size(1)
+            tol[q:(q + a[k].numel()) // 2] = travel
+        excess = (a[k] - b[k]).abs() - (tol + 1e-5 * b[k].abs())  # assert_close's rule, atol per element
+        assert (excess <= 0).all(), f"{k}: {(a[k] - b[k]).abs().max():.3g} apart, {excess.max():.3g} past the tolerance"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +87,8 @@ def test_fsdp_trains_as_ddp_does(workdir, runs, losses):
     assert len(ddp) == len(fsdp) == ITERS
     assert max(abs(a - b) for a, b in zip(ddp, fsdp)) < 2e-3
     assert "on 2 x cpu" in runs["fsdp"] and "ranks agree" not in runs["fsdp"]  # no replicas to compare
-    assert_same_weights(weights(d / "out-ddp" / "ckpt.pt"), weights(d / "out-fsdp" / "ckpt.pt"))
+    assert_same_weights(weights(d / "out-ddp" / "ckpt.pt"), weights(d / "out-fsdp" / "ckpt.pt"),
+                        rounding(d / "out-fsdp" / "ckpt.pt"))
 
 
 def test_each_rank_holds_half_the_parameters_and_optimizer_state(workdir, runs):
@@ -115,14 +141,15 @@ def test_a_signal_saves_and_the_run_resumes_exactly_under_fsdp_and_in_one_proces
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     # ...and in one process, which steps with the whole batch: the same weights to rounding
     assert in_process(train.main, args(tiny_args, "--out_dir=out-stop-one", "--init_from=resume"), cwd=d) == 0
-    assert_same_weights(straight, weights(d / "out-stop-one" / "ckpt.pt"))
+    assert_same_weights(straight, weights(d / "out-stop-one" / "ckpt.pt"), rounding(d / "out-fsdp" / "ckpt.pt"))
 
 
 def test_muon_on_sliced_matrices_updates_as_on_whole_ones(workdir, runs, in_process, tiny_args):
     d, _ = workdir
     assert in_process(train.main, ["--out_dir=out-one-muon", *args(tiny_args, "--optimizer=muon")], cwd=d) == 0
     # Newton-Schulz amplifies rounding; a rank that orthogonalised its slices alone would be 7e-3 off here
-    assert_same_weights(weights(d / "out-one-muon" / "ckpt.pt"), weights(d / "out-fsdp-muon" / "ckpt.pt"), atol=1e-5)
+    assert_same_weights(weights(d / "out-one-muon" / "ckpt.pt"), weights(d / "out-fsdp-muon" / "ckpt.pt"),
+                        rounding(d / "out-fsdp-muon" / "ckpt.pt"), atol=1e-5)
 
 
 def test_fsdp_is_refused_in_one_line_where_it_cannot_run(workdir, run, one_line_error, refusal, monkeypatch,

@@ -2,6 +2,7 @@
 greedy outputs, written so that transformers loads them with ours, and each refusal in one line.
 Nothing is downloaded: every model is built from a config here."""
 
+import dataclasses
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import sample
 import tokenizer
 import train
 from generate import generate
+from model import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -336,6 +338,70 @@ def test_export_refusals_name_the_feature(config, feature, tmp_path, tiny_model)
     with pytest.raises(hf.HFError, match=feature) as e:
         hf.save_pretrained(tiny_model(vocab_size=V, **config), tmp_path)
     assert "\n" not in str(e.value) and not os.listdir(tmp_path)
+
+
+def test_every_family_has_a_row_for_every_config_field():
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    for family, rows in hf.FIELDS.items():  # a new field needs a row (and a value in OTHER); a renamed one, both
+        assert set(rows) == names, (family, names ^ set(rows))
+
+
+OTHER = {  # for each ModelConfig field, values other than the families' own (the first that differs is tried)
+    "arch": ("encoder", "decoder"), "pos": ("rope", "learned"), "vocab_size": (128,), "block_size": (48,),
+    "n_layer": (3,), "n_head": (2,), "n_kv_head": (1,), "n_embd": (96,), "head_size": (32,), "mlp_hidden": (96,),
+    "rope_theta": (5e5,), "rope_scaling": (2.0,), "rel_buckets": (16,), "rel_max_distance": (20,),
+    "norm": ("rmsnorm", "layernorm"), "norm_first": (False, True), "norm_eps": (1e-3,), "mlp": ("geglu", "gelu"),
+    "gelu_approximate": ("none", "tanh"), "n_expert": (2,), "expert_top_k": (1,), "moe_aux_weight": (0.5,),
+    "attention": ("linear",), "n_features": (16,), "feature_redraw": (10,), "proj_len": (16,), "bucket_size": (8,),
+    "n_hashes": (1,), "window": (8, 4), "n_global": (2,), "n_random": (1,), "sparse_block": (8,), "bias": (False, True),
+    "dropout": (0.1,), "tie_embeddings": (False, True), "lm_head_bias": (True, False), "qk_norm": (True,),
+    "logit_softcap": (15.0,), "zero_init": (True,), "attn_impl": ("math", "sdpa"),
+}
+BASES = {"gpt2": "gpt2", "bert": "bert", "t5": "t5-v1.0", "llama": "llama-gqa-untied", "mistral": "mistral-window-8"}
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(ModelConfig)])
+def test_each_config_field_exports_with_hfs_logits_or_is_refused_by_name(field, tmp_path, tiny_model):
+    for family, name in BASES.items():  # each family's EXPORTS case
+        kw, auto = EXPORTS[name]
+        config = tiny_model(vocab_size=V, n_embd=64, **kw).config
+        value = next(v for v in OTHER[field] if v != getattr(config, field))
+        try:
+            ours = randomize(tiny_model(**dict(vocab_size=V, n_embd=64, **kw) | {field: value}))
+        except ValueError:  # a value this family's configs cannot take (n_global without a window): its row alone
+            ours = None
+            setattr(config, field, value)
+        try:
+            written = hf.save_pretrained(ours, tmp_path / family) if ours else hf.family_of(config)
+        except hf.HFError as e:  # arch and pos choose the family, whose other rows may refuse it first
+            assert "\n" not in str(e) and (field in ("arch", "pos") or str(e).startswith(f"{field}=")), str(e)
+            continue
+        assert hf.FIELDS[written][field] in (hf.CARRIED, hf.HARMLESS) or isinstance(hf.FIELDS[written][field], hf.Rule)
+        if ours is None:
+            continue
+        theirs = getattr(transformers, auto).from_pretrained(tmp_path / family).eval()
+        idx, mask = padded(2, 20)
+        with torch.no_grad():
+            if ours.config.arch == "encoder-decoder":
+                tgt = tokens(2, 9, seed=2)
+                got, want = ours(tgt, src=idx, src_mask=mask.bool())[0], theirs(idx, attention_mask=mask,
+                                                                                 decoder_input_ids=tgt).logits
+            else:
+                got, want = ours(idx)[0], theirs(idx).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"{field}={value!r} in {family}")
+
+
+def test_a_field_added_to_modelconfig_without_a_row_exports_at_its_default_only():
+    @dataclasses.dataclass
+    class Newer(ModelConfig):
+        new_option: int = 0  # what transformers does with it, nobody has said
+
+    for name in BASES.values():
+        kw = dict(vocab_size=V, n_layer=2, n_head=4, n_embd=64) | EXPORTS[name][0]
+        assert hf.family_of(Newer(**kw)) == hf.family_of(ModelConfig(**kw))
+        with pytest.raises(hf.HFError, match=r"^new_option=1: \w+ \(arch=") as e:
+            hf.family_of(Newer(**kw, new_option=1))
+        assert "\n" not in str(e.value)
 
 
 def test_an_int8_model_is_refused(tmp_path, tiny_model):

@@ -101,7 +101,9 @@ def test_bench_times_train_py_against_nanogpts_recipe_and_both_compute_the_same(
     ms = dict(re.findall(r"^(nanoGPT's recipe|train.py) +([\d.]+)", log, re.M))
     assert set(ms) == {"nanoGPT's recipe", "train.py"} and all(float(v) > 0 for v in ms.values())
     speedup = float(re.search(r"^train.py .* ([\d.]+)x", log, re.M).group(1))
-    assert speedup == pytest.approx(float(ms["nanoGPT's recipe"]) / float(ms["train.py"]), rel=0.05)
+    a, b = float(ms["nanoGPT's recipe"]), float(ms["train.py"])
+    # the speed-up of the unrounded times: each ms figure is printed to within 0.05, the speed-up to 0.005
+    assert (a - 0.05) / (b + 0.05) - 0.005 <= speedup <= (a + 0.05) / (b - 0.05) + 0.005
     # fused AdamW and the written-out attention change the speed, not the weights beyond rounding
     # (a step of AdamW moves a weight by about the learning rate, 1e-3)
     assert float(re.search(r"parameter difference is (\S+) after one iteration", log).group(1)) < 1e-5

@@ -24,15 +24,10 @@ import sys
 from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, replace
 
+import common  # no torch: it sets the signals before torch's import
 
-def exit_quietly_on_signals():
-    """Ctrl-C ends the run (status 130), and so does a reader that stops early (`| head`): no traceback."""
-    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-
-
-if __name__ == "__main__":  # before torch's import, not in main: the import takes seconds, and Ctrl-C counts then too
-    exit_quietly_on_signals()
+if __name__ == "__main__":  # before torch's import, not in main: it takes seconds, and Ctrl-C counts then too
+    common.exit_quietly_on_signals()
 
 import torch
 import torch.distributed as dist
@@ -493,6 +488,7 @@ def loop(run, it, progress, dtype):
         skips.add(bad)
         optimizer_step(run.model, run.optimizer, run.scaler, cfg.grad_clip, bad)
         it += 1
+        run.raw_model.redraw_features(it, cfg.seed)  # Performer: new random features every feature_redraw steps
         if (n := budget.fit(cfg, it, device)) is not None:  # --max_time: the length that fits, one for all ranks
             n = int(all_ranks(torch.tensor(float(n), device=device), dist.ReduceOp.MIN).item())
             run.cfg = cfg = replace(cfg, max_iters=n, lr_decay_iters=n)
