@@ -13,6 +13,8 @@ from dataclasses import fields
 import torch
 
 from common import UsageError
+from device import set_rng_state
+from distributed import load_optimizer_state
 from model import ModelConfig, Transformer
 from quantize import decode_layout, quantize_int8
 from tokenizer import Tokenizer
@@ -82,6 +84,24 @@ def load_checkpoint(path, hint=None):
         raise UsageError(f"{path} has model settings this model.py does not know ({', '.join(unknown)}): "
                          "it was written by another version of nanoformer; load it with that version")
     return ckpt
+
+
+def restore(ckpt, model, optimizer, scaler, rank, world, device):
+    """A resumed run: put back the optimizer's moments, the gradient scale and this rank's random state
+    from ckpt; returns the iteration to go on from and the progress the checkpoint kept (with a
+    Transformer-XL's memory)."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    load_optimizer_state(model, optimizer, ckpt["optimizer"])  # the moments, and the checkpoint's betas and decay...
+    for group, ours in zip(optimizer.param_groups, settings):  # ...which give way to this run's, as logged
+        group.update(ours)
+    if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
+        scaler.load_state_dict(ckpt["scaler"])
+    if len(ckpt["rng"]) == world:  # each rank carries on with its own dropout stream
+        set_rng_state(ckpt["rng"][rank], device)
+    it = ckpt["iter_num"]
+    mems = {k: [m.to(device) for m in layers] for k, layers in ckpt.get("mems", {}).items()}  # Transformer-XL's
+    return it, dict(best_val_loss=ckpt["best_val_loss"], evaluated_at=ckpt.get("evaluated_at", it),
+                    val_loss=ckpt.get("val_loss"), fitted_iters=ckpt.get("fitted_iters"), mems=mems)
 
 
 def load_run(out_dir, which="best"):

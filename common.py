@@ -32,8 +32,6 @@ def exit_quietly_on_signals():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # Settings: a dataclass's defaults, then a config file (Python), then --key=value
 
@@ -184,7 +182,6 @@ def check_ranges(cfg, table):
                 (value <= high if allowed[-1] == "]" else value < high)):
             raise UsageError(f"{key}={value} must " + (f"be at least {low:g}" if high == math.inf and allowed[0] == "["
                                                        else f"lie in {allowed}"))
-
 
 
 # ----------------------------------------------------------------------------------------------

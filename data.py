@@ -101,6 +101,38 @@ def get_batch(data, arch, batch_size, block_size, gen, tokens, data_vocab, mask_
     return span_corrupt(x, gen, tokens, noise_density, mean_span)
 
 
+def check_data(config, data, dataset, tokens, noise_density, mean_span):
+    """That the data and the objective fit the model: a UsageError that says how, before any work."""
+    L = config.block_size
+    if config.arch == "encoder-decoder":  # span corruption: a part of each sequence, in spans, each a sentinel
+        if L < 2:
+            raise UsageError(f"span corruption hides part of each sequence: block_size={L} must be at least 2")
+        n_noise, n_spans = span_counts(L, noise_density, mean_span)
+        if n_spans + 1 > tokens["n_sentinel"]:
+            raise UsageError(f"span corruption of {L} tokens needs {n_spans + 1} sentinels, more than "
+                             f"{tokens['n_sentinel']}: lower block_size or raise mean_span")
+        if config.pos == "learned" and n_noise + n_spans + 1 > L:
+            raise UsageError(f"span corruption of {L} tokens gives the decoder {n_noise + n_spans + 1} tokens, more "
+                             f"than the {L} learned positions: lower noise_density, or use relative positions")
+    for split, d in data.items():
+        if len(d) <= L + 1:
+            raise UsageError(f"{split}.bin of {dataset} holds {len(d)} tokens, fewer than block_size={L} + 2: "
+                             "lower --block_size or use more text")
+
+
+STREAM = 2**63 - 1  # the key of a stream's start, in place of an iteration or an evaluation batch: none has it
+
+
+def stream_batch(data, batch_size, block_size, gen, segment):
+    """Transformer-XL's batches: row b reads the data as a stream from a start that gen draws, segment
+    after segment, so that the memory it carries from one segment to the next is of its own text:
+    the decoder's inputs and targets of segment `segment` of each row (wrapping round the data)."""
+    n = len(data) - block_size - 1
+    ix = [(start + segment * block_size) % n for start in torch.randint(n, (batch_size,), generator=gen).tolist()]
+    x = torch.from_numpy(np.stack([data[i : i + block_size + 1] for i in ix]).astype(np.int64))
+    return dict(idx=x[:, :-1], targets=x[:, 1:])
+
+
 def mask_tokens(x, gen, tokens, data_vocab, p=0.15):
     """BERT's masked LM: choose p of the tokens to predict (at least one per row); of those 80%
     become the mask token, 10% a random token and 10% stay as they are."""

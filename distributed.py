@@ -28,11 +28,37 @@ except ImportError:
     FSDPModule = DTensor = ()  # an isinstance() against () is always False: nothing is sharded
 
 
-def all_ranks(x, op=dist.ReduceOp.SUM):
-    """x (a tensor) reduced over the ranks in place; x itself in one process."""
+def all_ranks(x, op=dist.ReduceOp.SUM, group=None):
+    """x (a tensor) reduced over the ranks (of group) in place; x itself in one process."""
     if dist.is_initialized():
-        dist.all_reduce(x, op=op)
+        dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def context_group(n, rank, world):
+    """Context parallel: the process group of this rank's n consecutive ranks, which hold each sequence
+    a shard each, in order (ring attention); the groups run data parallel. Every rank makes every group."""
+    groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
+    return groups[rank // n]
+
+
+def context_shard(b, rank, n, group):
+    """Rank's shard of each sequence of batch b (its inputs and targets), the (rank % n)-th of n, with the
+    positions it holds and the group whose ranks hold the others."""
+    T, index = b["idx"].size(1) // n, rank % n
+    part = slice(index * T, (index + 1) * T)
+    return {k: v[:, part] for k, v in b.items()} | dict(group=group, input_pos=torch.arange(
+        index * T, (index + 1) * T, device=b["idx"].device))
+
+
+def context_line(config, n, batch_size, dtype):
+    """The start line's account of context parallel: the positions each rank holds, and the activations
+    it keeps for the backward pass as Korthikanti et al. (2022) count them, 34 x n_embd bytes a position
+    and layer in 16-bit (here in dtype), with no T x T scores (ring attention keeps none)."""
+    T = config.block_size // n
+    per_rank = batch_size * T * config.n_layer * 34 * config.n_embd * torch.finfo(dtype).bits / 16
+    return (f"context parallel: {n} ranks a sequence of {config.block_size}, {T} positions each; activations about "
+            f"{per_rank / 1e6:,.1f} MB a rank ({n * per_rank / 1e6:,.1f} MB in one)")
 
 
 def shard(model, device, dtype):

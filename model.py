@@ -96,6 +96,7 @@ class ModelConfig:
     n_global: int = 0  # with a window: the first n_global positions are seen by all (Longformer), sinks when decoding
     n_random: int = 0  # with a window, in an encoder: each block of queries sees this many random blocks (BigBird)
     sparse_block: int = 64  # BigBird's block: positions per block of queries and of keys
+    mem_len: int = 0  # a decoder's memory (Transformer-XL): each layer's input of this many positions before
     bias: bool = True  # biases in Linear and LayerNorm (GPT-2, BERT: True; Llama, T5: False)
     dropout: float = 0.0
     tie_embeddings: bool = True  # the output layer reuses the token embedding matrix
@@ -179,7 +180,13 @@ class ModelConfig:
              "cannot have it, choose arch='decoder' or attention='softmax'"),
             (self.n_global < 0 or self.n_global and not self.window, f"n_global={self.n_global}: global tokens "
              "are seen from a window's queries (Longformer): set window, or n_global=0"),
-            (self.feature_redraw < 0 or self.n_random < 0, "feature_redraw and n_random must be 0 (off) or positive"),
+            (self.feature_redraw < 0 or self.n_random < 0 or self.mem_len < 0, "feature_redraw, n_random and mem_len "
+             "must be 0 (off) or positive"),
+            (self.mem_len and self.arch != "decoder", "mem_len: a memory of segments before (Transformer-XL) is for "
+             "decoders: set arch='decoder', or mem_len=0"),
+            (self.mem_len and (self.pos in ("learned", "sinusoidal") or a != "softmax" or self.n_global),
+             f"mem_len: the memory's keys come before every segment, where pos={self.pos!r} would restart at 0: "
+             "choose pos='rope', 'alibi', 'relative' or 'none', with softmax attention and no global tokens"),
             (a == "lsh" and (self.block_size % self.bucket_size or self.block_size // self.bucket_size % 2),
              f"lsh hashes into block_size // bucket_size buckets, an even number: block_size={self.block_size} "
              f"and bucket_size={self.bucket_size} do not make one; choose bucket_size to divide block_size / 2"),
@@ -268,6 +275,7 @@ class Mask(NamedTuple):
     backend: str = "sdpa"  # "triton" (takes the pieces), "sdpa" or "math" (take causal and bias)
     slots: torch.Tensor | None = None  # (Tq,) while generating: the KV cache slots the queries' keys go to
     weights: list | None = None  # where each layer appends its weights (B, nh, Tq, Tk), on the math path
+    ring: object = None  # a process group whose ranks hold the sequence in order, a shard each (ring attention)
 
 
 # "auto" takes the Triton kernel only where it was measured faster than SDPA (docs/kernels.md):
@@ -307,7 +315,9 @@ def attention(q, k, v, mask, dropout=0.0):
     """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs),
     on the backend mask.backend. Each group of nh / n_kv_head query heads shares one key/value head
     (grouped-query attention). Returns the output (B, nh, Tq, hs) and, on the math path, the
-    weights (B, nh, Tq, Tk)."""
+    weights (B, nh, Tq, Tk). mask.ring: the keys of the other shards come round the ring."""
+    if mask.ring is not None:  # context parallel: exact attention over the whole sequence, a shard here
+        return efficient.ring_attention(q, k, v, mask.causal, mask.ring), None
     if mask.backend == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
         dtype = autocast_dtype(q.device, q.dtype)  # autocast casts SDPA's inputs, not a custom op's
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -333,9 +343,9 @@ def attention(q, k, v, mask, dropout=0.0):
 
 def reach(config):
     """How far back a query looks while generating: its window, never past block_size, the span
-    trained on. Past it a model with relative positions is a sliding-window model (absolute ones
-    recompute their context, see generate_tokens)."""
-    return min(config.window or config.block_size, config.block_size)
+    trained on (and a memory's mem_len before it). Past it a model with relative positions is a
+    sliding-window model (absolute ones recompute their context, see generate_tokens)."""
+    return min(config.window or config.block_size, config.block_size) + config.mem_len
 
 
 def padding_bias(valid):
@@ -423,7 +433,8 @@ class Attention(nn.Module):
     def norm(self, t):  # QK-norm: each head's vector at unit RMS, so logits cannot grow without bound
         return F.rms_norm(t, (t.size(-1),), eps=self.config.norm_eps) if self.config.qk_norm else t
 
-    def forward(self, x, mask=Mask(), rope=None, memory=None):
+    def forward(self, x, mask=Mask(), rope=None, memory=None, mem=None):
+        # mem (B, M, C): Transformer-XL's memory, the layer's (normed) input of the positions before x
         c = self.config
         if self.cross:  # keys and values of the encoder's output: computed once when generating
             q = self.norm(self.heads(self.c_q(x)))
@@ -432,11 +443,12 @@ class Attention(nn.Module):
             q, v = self.heads(self.c_attn(x)).chunk(2, dim=1)
             q, k = self.norm(q), None
             q = q if rope is None else apply_rope(q, *rope)
-        else:  # q, k, v heads one after another: (B, n_head + 2 * n_kv_head, T, hs)
-            q, k, v = self.heads(self.c_attn(x)).split((c.n_head, c.n_kv_head, c.n_kv_head), dim=1)
-            q, k = self.norm(q), self.norm(k)
-            if rope is not None:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        else:  # q, k, v heads one after another: (B, n_head + 2 * n_kv_head, T, hs), the memory's keys first
+            src = x if mem is None else torch.cat((mem, x), dim=1)
+            q, k, v = self.heads(self.c_attn(src)).split((c.n_head, c.n_kv_head, c.n_kv_head), dim=1)
+            q, k = self.norm(q[:, :, -x.size(1):]), self.norm(k)
+            if rope is not None:  # the keys' angles; the queries are the last of them
+                q, k = apply_rope(q, *(t[..., -x.size(1):, :] for t in rope)), apply_rope(k, *rope)
         y = self.attend(q, k, v, mask)
         y = y.transpose(1, 2).flatten(2)  # (B, nh, T, hs) -> (B, T, nh * hs): heads side by side
         return self.resid_dropout(self.c_proj(y))
@@ -545,8 +557,9 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MoE(config) if config.n_expert else MLP(config)
 
-    def forward(self, x, mask=Mask(), rope=None, memory=None, memory_mask=Mask()):
-        x = self.residual(x, self.ln_1, lambda h: self.attn(h, mask, rope))
+    def forward(self, x, mask=Mask(), rope=None, memory=None, memory_mask=Mask(), mem=None):
+        mem = self.ln_1(mem) if mem is not None and self.norm_first else mem  # normed as the input is
+        x = self.residual(x, self.ln_1, lambda h: self.attn(h, mask, rope, mem=mem))
         if self.cross_attn is not None:
             x = self.residual(x, self.ln_cross, lambda h: self.cross_attn(h, memory_mask, memory=memory))
         return self.residual(x, self.ln_2, self.mlp)
@@ -576,9 +589,11 @@ class Stack(nn.Module):
         self.ln_f = make_norm(config)
         self.cache_pos = None  # (B, size) while generating: the position each cache slot holds, -1: none
 
-    def forward(self, x, pos, valid=None, memory=None, memory_valid=None, weights=None):
+    def forward(self, x, pos, valid=None, memory=None, memory_valid=None, weights=None, mems=None, group=None):
         # x (B, T, C): token embeddings at positions pos (B|1, T); valid (B, T): False for padding;
-        # weights: a dict that each attention's weights go to, by name (see Transformer.forward)
+        # weights: a dict that each attention's weights go to, by name (see Transformer.forward);
+        # mems: Transformer-XL's memory, one (B, M, C) per layer ([] at the start of a stream), or None;
+        # group: context parallel, x is this rank's shard of sequences split over the group's ranks
         c = self.config
         if c.pos == "learned":
             x = x + self.wpe(pos)
@@ -587,9 +602,12 @@ class Stack(nn.Module):
         if not c.norm_first:
             x = self.ln_f(x)  # post-norm ends each block with a norm; BERT normalises the input instead
         x = self.drop(x)
-        T = x.size(1)
+        T, M = x.size(1), mems[0].size(1) if mems else 0
+        before = torch.arange(M, device=x.device).expand(pos.size(0), M)  # the memory's positions, first
+        pos = pos + M
         keys = pos if valid is None else torch.where(valid, pos, -1)  # the keys' positions; padding: -1
-        own, slots = torch.arange(T, device=x.device), None  # the index of each query's own key
+        keys = torch.cat((before.expand(keys.size(0), M), keys), dim=1)
+        own, slots = M + torch.arange(T, device=x.device), None  # the index of each query's own key
         if self.cache_pos is not None:  # generating: the keys go into the cache's ring, where the
             if T > self.cache_pos.size(1):  # queries see every slot, by the position it holds
                 raise ValueError(f"{T} tokens overflow a KV cache of {self.cache_pos.size(1)} slots: use prefill")
@@ -600,13 +618,18 @@ class Stack(nn.Module):
         window = c.window if slots is None else reach(c)
         name = "decoder" if self.causal else "encoder"
         record = (lambda what: weights.setdefault(f"{name} {what}", [])) if weights is not None else lambda what: None
-        mask = self.mask(pos, keys, own, window, valid, slots, record("self-attention"))
+        mask = Mask(self.causal, ring=group) if group is not None else \
+            self.mask(pos, keys, own, window, valid, slots, record("self-attention"))
         memory_mask = self.memory_mask(T, memory_valid, x.device, record("cross-attention (to the encoder)")) \
             if self.cross else None
-        cos_sin = rope(pos, c.head_size, c.rope_theta, c.rope_scaling) if c.pos == "rope" else None
-        for block in self.h:
-            x = block(x, mask, cos_sin, memory, memory_mask)
-        return self.ln_f(x) if c.norm_first else x
+        cos_sin = rope(torch.cat((before, pos), 1), c.head_size, c.rope_theta, c.rope_scaling) \
+            if c.pos == "rope" else None
+        kept = []  # each layer's input, the next segment's memory: no gradient flows back into it
+        for i, block in enumerate(self.h):
+            kept.append(torch.cat((mems[i], x), 1)[:, -c.mem_len:].detach() if mems else x[:, -c.mem_len:].detach())
+            x = block(x, mask, cos_sin, memory, memory_mask, mems[i] if mems else None)
+        x = self.ln_f(x) if c.norm_first else x
+        return x if mems is None else (x, kept)
 
     def pieces(self, window, valid=None):
         """What each query may see, in pieces: the form the kernel takes, and what attn_impl reads."""
@@ -622,10 +645,11 @@ class Stack(nn.Module):
         pieces = self.pieces(window, valid)
         backend = "math" if weights is not None else attn_impl(self.config, pos.device, self.training, pieces,
                                                               pos.size(1))
-        if backend == "triton" and slots is None:  # the kernel reads keys in order, not from a ring
+        if backend == "triton" and slots is None and keys.size(1) == pos.size(1):  # the kernel reads keys in
+            # order, the queries' own, not from a ring nor after a memory
             return pieces._replace(backend=backend)
-        bias = self.attn_bias(pos, keys, own, window) if slots is not None or valid is not None or window or \
-            self.config.pos in ("alibi", "relative") else None
+        dense = slots is not None or valid is not None or window or keys.size(1) != pos.size(1)  # not SDPA's causal
+        bias = self.attn_bias(pos, keys, own, window) if dense or self.config.pos in ("alibi", "relative") else None
         return Mask(self.causal, valid=valid, bias=bias, backend="sdpa" if backend == "triton" else backend,
                     slots=slots, weights=weights)
 
@@ -691,13 +715,18 @@ class Transformer(nn.Module):
         if config.zero_init and not config.tie_embeddings:  # an untied head too (a tied one is the embedding)
             nn.init.zeros_(self.lm_head.weight)
 
-    def forward(self, idx, targets=None, *, mask=None, src=None, src_mask=None, input_pos=None, weights=None):
+    def forward(self, idx, targets=None, *, mask=None, src=None, src_mask=None, input_pos=None, weights=None,
+                mems=None, return_mems=False, group=None):
         """idx (B, T) token ids -> logits (B, T, vocab_size), and the loss against targets (B, T),
         where -100 marks positions without a loss. mask (B, T) is False at padding in idx. An
         encoder-decoder reads src (B, S) (padding: src_mask) and predicts idx. input_pos (T,) or
         (B, T) gives the positions of idx; generate.py passes it while the caches are set up.
         weights: a dict that receives every attention's weights, computed on the math path:
-        {"decoder self-attention": [(B, nh, T, T) per layer], ...} (sample.py's attention page)."""
+        {"decoder self-attention": [(B, nh, T, T) per layer], ...} (sample.py's attention page).
+        With mem_len (Transformer-XL), return_mems=True also returns the memory for the next segment,
+        one (B, mem_len, C) per layer, detached; mems: the one the segment before returned (None at
+        the start of a stream), whose positions come before idx's. group (context parallel): idx is
+        this rank's shard, at input_pos, of sequences split in order over the group's ranks."""
         c = self.config
         B, T = idx.shape
         if input_pos is None:
@@ -705,12 +734,14 @@ class Transformer(nn.Module):
         pos = torch.arange(T, device=idx.device) if input_pos is None else input_pos
         pos = pos.view(-1, T)  # (B|1, T)
         if c.arch == "encoder":
-            x = self.mlm_head(self.encoder(self.wte(idx), pos, mask, weights=weights))
+            x = self.mlm_head(self.encoder(self.wte(idx), pos, mask, weights=weights, group=group))
         else:
             if src is None and c.arch == "encoder-decoder" and self.decoder.h[0].cross_attn.cache is None:
                 raise ValueError("an encoder-decoder needs src: model(idx, targets, src=src)")
             memory = None if src is None else self.encode(src, src_mask, weights)
-            x = self.decoder(self.wte(idx), pos, mask, memory, src_mask, weights)
+            mems = (mems or []) if c.mem_len and (return_mems or mems) else None  # [] at a stream's start
+            x = self.decoder(self.wte(idx), pos, mask, memory, src_mask, weights, mems, group)
+            x, mems = x if mems is not None else (x, None)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         if c.logit_softcap:
             logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap)
@@ -719,7 +750,7 @@ class Transformer(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
             if c.n_expert:
                 loss = loss + c.moe_aux_weight * sum(m.aux_loss for m in self.modules() if isinstance(m, MoE))
-        return logits, loss
+        return (logits, loss, mems) if return_mems else (logits, loss)
 
     def encode(self, src, src_mask=None, weights=None):
         """The encoder's output (B, S, C) for src (B, S): the memory the decoder attends to."""

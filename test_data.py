@@ -74,3 +74,14 @@ def test_every_batch_of_a_run_has_a_seed_of_its_own():
               for split in (False, True) for rank in range(2) for k in range(3)]
     assert len(set(seeds)) == len(seeds) == 4 * 3 + 2 * 2 * 3
     assert data.eval_rng(1337, True, 1, 2).initial_seed() == seeds[-1]  # and each is the same every time
+
+
+def test_a_stream_batch_reads_each_rows_text_segment_after_segment():
+    """Transformer-XL's rows: segment s + 1 of a row starts where segment s ended (its memory is of
+    the text just before), wrapping round the data, and the starts come from the generator alone."""
+    text = np.arange(1000, dtype=np.uint16)
+    segments = [data.stream_batch(text, 4, 16, torch.Generator().manual_seed(7), s) for s in range(3)]
+    for a, b in zip(segments, segments[1:]):
+        assert torch.equal((a["idx"][:, -1] + 1) % (1000 - 17), b["idx"][:, 0] % (1000 - 17))
+    assert torch.equal(segments[0]["targets"][:, :-1], segments[0]["idx"][:, 1:])
+    assert not torch.equal(segments[0]["idx"], data.stream_batch(text, 4, 16, torch.Generator().manual_seed(8), 0)["idx"])

@@ -163,3 +163,44 @@ def test_fsdp_is_refused_in_one_line_where_it_cannot_run(workdir, run, one_line_
     refusal(train.main, args(tiny_args, "--out_dir=out-old-torch", "--fsdp=True"), "--fsdp=True needs FSDP2",
             "upgrade torch, or train under DDP without --fsdp", cwd=d)
     assert not list(d.glob("out-no-torchrun")) and not list(d.glob("out-old-torch"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Context parallel: each sequence split over the ranks of a group, ring attention between them
+
+def test_context_parallel_trains_as_one_process_does(workdir, run, tiny_args, losses):
+    """--context_parallel=2 on 2 ranks (one group), and on 4 (two groups, data parallel): the logged
+    losses (the mean of every rank's shards) equal a one-process run's on the same batches, to the 4
+    decimals printed, and one group's evaluations too; the checkpoint is whole and holds the same model."""
+    d, _ = workdir
+    common = ["--dataset=verse", "--max_iters=6", "--eval_interval=3", "--gradient_accumulation_steps=2", *tiny_args]
+    jobs = dict(one=lambda: run("train.py", "--out_dir=out-cp-one", *common, cwd=d)[1],
+                two=lambda: torchrun(run, d, "--out_dir=out-cp-2", "--context_parallel=2", *common),
+                four=lambda: run(TORCHRUN, "--standalone", "--nproc_per_node=4", os.path.join(HERE, "train.py"),
+                                 "--out_dir=out-cp-4", "--context_parallel=2", *common, cwd=d)[1])
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        logs = dict(zip(jobs, pool.map(lambda job: job(), jobs.values())))
+    evals = lambda log: [float(v) for v in re.findall(r"val loss ([\d.]+) \(", log)]  # noqa: E731
+    for name in ("two", "four"):
+        assert "context parallel: 2 ranks a sequence of 16, 8 positions each" in logs[name], logs[name]
+        # the printed figures, to their last decimal: the training losses, and the evaluations of one group
+        # (two groups evaluate twice the batches, each its own, as data-parallel ranks do)
+        for read, n in ((losses, 6), (evals, 3)) if name == "two" else ((losses, 6),):
+            assert len(read(logs[name])) == n
+            assert max(abs(a - b) for a, b in zip(read(logs["one"]), read(logs[name]))) <= 1e-4
+    one, four = weights(d / "out-cp-one" / "ckpt.pt"), weights(d / "out-cp-4" / "ckpt.pt")
+    assert one.keys() == four.keys() and all(one[k].shape == four[k].shape for k in one)
+    assert max((one[k] - four[k]).abs().max().item() for k in one) < 1e-4  # fp32 sums in another order, 6 steps
+
+
+def test_context_parallel_is_refused_in_one_line_where_it_cannot_run(workdir, run, one_line_error, refusal,
+                                                                    monkeypatch, tiny_args):
+    d, _ = workdir
+    one_line_error(run("train.py", *args(tiny_args, "--out_dir=out-cp-alone", "--context_parallel=2"), cwd=d),
+                   "--context_parallel=2 splits each sequence over n of the processes torchrun starts")
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2").items():  # as torchrun starts rank 0 of 2
+        monkeypatch.setenv(k, v)
+    refusal(train.main, args(tiny_args, "--out_dir=out-cp-alibi", "--context_parallel=2", "--pos=alibi"),
+            "ring attention is exact softmax attention", cwd=d)
+    refusal(train.main, args(tiny_args, "--out_dir=out-cp-3", "--context_parallel=3", "--block_size=15"),
+            "a multiple of n processes", cwd=d)

@@ -347,3 +347,13 @@ def test_speculative_sampling_draws_the_first_token_from_the_target(tiny_model):
     for _ in range(2000):
         counts[speculative_generate(target, draft, idx, 1, k=2, temperature=1.0)[0][0, -1]] += 1
     torch.testing.assert_close(counts / 2000, want, rtol=0, atol=0.035)  # about 4 standard errors
+
+
+def test_a_transformer_xl_decoder_generates_with_block_size_plus_mem_len_keys_in_view(tiny_model):
+    """Segments of 8 and a memory of 8: while generating, each query sees the last 16 keys, as a plain
+    decoder of context 16 (RoPE, the same weights) does when it slides past its block_size."""
+    xl = tiny_model(pos="rope", block_size=8, mem_len=8)
+    plain = tiny_model(pos="rope", block_size=16)
+    plain.load_state_dict(xl.state_dict())
+    idx = prompt(5, B=2)
+    assert torch.equal(generate(xl, idx, 40, temperature=0), generate(plain, idx, 40, temperature=0))

@@ -353,7 +353,8 @@ OTHER = {  # for each ModelConfig field, values other than the families' own (th
     "norm": ("rmsnorm", "layernorm"), "norm_first": (False, True), "norm_eps": (1e-3,), "mlp": ("geglu", "gelu"),
     "gelu_approximate": ("none", "tanh"), "n_expert": (2,), "expert_top_k": (1,), "moe_aux_weight": (0.5,),
     "attention": ("linear",), "n_features": (16,), "feature_redraw": (10,), "proj_len": (16,), "bucket_size": (8,),
-    "n_hashes": (1,), "window": (8, 4), "n_global": (2,), "n_random": (1,), "sparse_block": (8,), "bias": (False, True),
+    "n_hashes": (1,), "window": (8, 4), "n_global": (2,), "n_random": (1,), "sparse_block": (8,), "mem_len": (8,),
+    "bias": (False, True),
     "dropout": (0.1,), "tie_embeddings": (False, True), "lm_head_bias": (True, False), "qk_norm": (True,),
     "logit_softcap": (15.0,), "zero_init": (True,), "attn_impl": ("math", "sdpa"),
 }

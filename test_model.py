@@ -6,6 +6,7 @@ the Triton kernel in test_kernels.py. Every model is conftest's tiny_model (voca
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -524,3 +525,63 @@ def test_zero_init_starts_each_residual_branch_and_an_untied_head_at_zero(tiny_m
     assert (logits == 0).all() and loss.item() == pytest.approx(math.log(V))  # uniform at the start
     tied = tiny_model(zero_init=True)  # a tied head is the embedding table: it keeps its initialisation
     assert tied.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Transformer-XL's memory: segment-level recurrence
+
+def xl_reference(model, idx, L, M):
+    """One forward pass over the whole of idx (B, N) under Transformer-XL's mask, where position i
+    sees the keys j <= i with j >= (i // L) L - M: its segment up to itself and M positions before."""
+    N, stack = idx.size(1), model.decoder
+    pos = torch.arange(N)[None]
+    i, j = pos[0, :, None], pos[0, None, :]
+    allowed = (j <= i) & (j >= (i // L) * L - M)
+    bias = stack.attn_bias(pos, pos, torch.arange(N), 0).masked_fill(~allowed, float("-inf"))
+    cos_sin = rope(pos, model.config.head_size) if model.config.pos == "rope" else None
+    x = model.wte(idx)
+    for block in stack.h:
+        x = block(x, Mask(True, bias=bias, backend="math"), cos_sin)
+    return model.lm_head(stack.ln_f(x))
+
+
+@pytest.mark.parametrize("pos, L, M", [("rope", 8, 8), ("alibi", 8, 5), ("relative", 6, 12), ("none", 8, 8)])
+def test_segments_with_memory_are_one_pass_under_transformer_xls_mask(pos, L, M, tiny_model):
+    model = tiny_model(pos=pos, mem_len=M, n_kv_head=2)
+    idx = torch.randint(0, V, (2, 4 * L), generator=torch.Generator().manual_seed(0))
+    want, mems, got = xl_reference(model, idx, L, M), None, []
+    for s in range(4):
+        logits, _, mems = model(idx[:, s * L:(s + 1) * L], mems=mems, return_mems=True)
+        got.append(logits)
+        assert len(mems) == 2 and mems[0].shape == (2, min(M, (s + 1) * L), 32) and not mems[0].requires_grad
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-5, atol=1e-5)
+    if M >= L:  # the second segment sees all of the first: the last L positions of a plain pass over both
+        plain = model(idx[:, :2 * L])[0][:, L:]
+        second = model(idx[:, L:2 * L], mems=model(idx[:, :L], return_mems=True)[2])[0]
+        torch.testing.assert_close(second, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_the_loss_on_a_segment_gives_the_memorys_tokens_no_gradient(tiny_model):
+    """The memory is detached: the loss on segment 2 reaches segment 1's embeddings through nothing
+    (they get no gradient), while it does depend on them (without the memory it differs)."""
+    model = tiny_model(pos="rope", mem_len=8).train()
+    idx = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(0))
+    embedded = []
+
+    def keep(module, args, out):  # each segment's embeddings, with the gradient they get
+        out.retain_grad()
+        embedded.append(out)
+    model.wte.register_forward_hook(keep)
+    _, _, mems = model(idx[:, :8], return_mems=True)
+    _, loss = model(idx[:, 8:], idx[:, 8:], mems=mems)
+    loss.backward()
+    assert embedded[0].grad is None and embedded[1].grad.abs().sum() > 0
+    assert all(not m.requires_grad for m in mems)
+    assert not torch.isclose(loss, model(idx[:, 8:], idx[:, 8:])[1])  # the memory is seen
+
+
+@pytest.mark.parametrize("kw, words", [(dict(arch="encoder"), "for decoders"), (dict(pos="learned"), "restart at 0"),
+                                       (dict(mem_len=-1), "must be 0 (off) or positive")])
+def test_a_memory_is_refused_where_it_cannot_be(kw, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        ModelConfig(**dict(mem_len=8, pos="rope") | kw)

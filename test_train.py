@@ -92,6 +92,42 @@ def test_resuming_halfway_gives_bit_identical_losses_and_weights(workdir, arch_r
     assert all(torch.equal(a[k], b[k]) for k in a)  # ...and the weights bit for bit
 
 
+def test_a_performer_redraws_its_features_every_feature_redraw_steps_and_resumes_exactly(workdir, in_process,
+                                                                                          tiny_args, capsys):
+    """feature_redraw=3: new random features after steps 3 and 6, drawn from (seed, step) and saved with
+    the weights; a run of 2 + 2 + 4 iterations, resumed twice, ends bit for bit where one of 8 does."""
+    d, _ = workdir
+    args = ["--dataset=verse", "--attention=performer", "--n_features=8", "--feature_redraw=3", *tiny_args]
+    ckpt = lambda out: torch.load(d / out / "ckpt.pt", weights_only=True)["model"]  # noqa: E731
+    assert in_process(train.main, ["--out_dir=out-performer-8", "--max_iters=8", *args], cwd=d) == 0
+    drawn = []
+    for i, n in enumerate((2, 4, 8)):
+        resume = ["--init_from=resume"] if i else []
+        assert in_process(train.main, ["--out_dir=out-performer", f"--max_iters={n}", *resume, *args], cwd=d) == 0
+        drawn.append(ckpt("out-performer")["decoder.h.0.attn.proj"])
+    assert not torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[1], drawn[2])  # after steps 3 and 6
+    one, resumed = ckpt("out-performer-8"), ckpt("out-performer")
+    assert all(torch.equal(one[k], resumed[k]) for k in one)
+    capsys.readouterr()
+
+
+def test_a_transformer_xl_run_carries_its_memory_and_resumes_exactly(workdir, in_process, tiny_args, capsys):
+    """mem_len: each row a stream, the memory carried from iteration to iteration and saved in the
+    checkpoint, so that 4 + 4 iterations end bit for bit where 8 do; evaluation reads streams too."""
+    d, _ = workdir
+    args = ["--dataset=verse", "--pos=rope", "--mem_len=16", "--eval_interval=4", *tiny_args]
+    ckpt = lambda out: torch.load(d / out / "ckpt.pt", weights_only=True)  # noqa: E731
+    assert in_process(train.main, ["--out_dir=out-xl-8", "--max_iters=8", *args], cwd=d) == 0
+    assert in_process(train.main, ["--out_dir=out-xl", "--max_iters=4", *args], cwd=d) == 0
+    mems = ckpt("out-xl")["mems"]
+    assert list(mems) == [0] and len(mems[0]) == 2 and mems[0][0].shape == (4, 16, 32)  # micro-step 0's layers
+    assert in_process(train.main, ["--out_dir=out-xl", "--max_iters=8", "--init_from=resume", *args], cwd=d) == 0
+    one, resumed = ckpt("out-xl-8"), ckpt("out-xl")
+    assert all(torch.equal(one["model"][k], resumed["model"][k]) for k in one["model"])
+    assert one["best_val_loss"] == resumed["best_val_loss"]
+    capsys.readouterr()
+
+
 def test_bench_times_train_py_against_nanogpts_recipe_and_both_compute_the_same(workdir, run, tiny_args):
     d, _ = workdir
     code, log, err = run("bench.py", "train", "--dataset=verse", "--out_dir=out-bench", "--attn_impl=math",

@@ -34,11 +34,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kernels
-from checkpoint import load_checkpoint, prepare_out_dir, save_atomic
+from checkpoint import load_checkpoint, prepare_out_dir, restore, save_atomic
 from common import UsageError, as_given, check_ranges, parse_settings, usage
-from data import batch_rng, eval_rng, get_batch, load_data, new_model_config, span_counts, special_tokens
-from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, set_rng_state, sync
-from distributed import all_ranks, finite, fully_shard, load_optimizer_state, memory_line, shard, sharded, state_dicts
+from data import (STREAM, batch_rng, check_data, eval_rng, get_batch, load_data, new_model_config, special_tokens,
+                  stream_batch)
+from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, sync
+from distributed import (all_ranks, context_group, context_line, context_shard, finite, fully_shard, memory_line, shard,
+                         sharded, state_dicts)
 from model import ModelConfig, Transformer
 from optim import Budget, Skips, budget_seconds, lr_factor, make_optimizer, optimizer_step
 from report import Report, hms
@@ -91,6 +93,7 @@ class TrainConfig:
     seed: int = 1337
     backend: str = "auto"  # distributed: "nccl" on CUDA, "gloo" on CPU
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2), not DDP
+    context_parallel: int = 1  # under torchrun: split each sequence over this many ranks (ring attention)
 
 
 # the values each setting may take, beyond its type (grad_clip=0: no clipping)
@@ -99,7 +102,7 @@ TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), optimizer=("adamw", "muon"
                     eval_interval="[1, inf)", eval_iters="[1, inf)", log_interval="[1, inf)", max_bad_steps="[1, inf)",
                     max_iters="[0, inf)", warmup_iters="[0, inf)", lr_decay_iters="[0, inf)", learning_rate="[0, inf)",
                     min_lr="[0, inf)", weight_decay="[0, inf)", grad_clip="[0, inf)", mean_span="[1, inf)",
-                    seed="[0, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]", noise_density="(0, 1)")
+                    seed="[0, inf)", context_parallel="[1, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]", noise_density="(0, 1)")
 RUN_TIME = ("attn_impl", "dropout")  # model settings that a resumed run may change
 MASTER = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 logs and writes
 EVAL_NOTICE_S = 5  # an evaluation expected to take longer than this (seconds) says so early on
@@ -168,30 +171,26 @@ def model_config_of(cfg, model_args, meta, ckpt):
 
 def check_fits(config, cfg, data, device, tokens, ddp):
     """Settings of the right kinds that still cannot train together, refused before any work."""
-    for wrong, problem in [  # --fsdp: what it needs
+    n, world = cfg.context_parallel, int(os.environ.get("WORLD_SIZE", 1))
+    for wrong, problem in [  # --fsdp and --context_parallel: what they need
             (cfg.fsdp and not ddp, "--fsdp=True shards the model over the processes that torchrun starts: run "
              "torchrun --standalone --nproc_per_node=N train.py ... --fsdp=True"),
             (cfg.fsdp and fully_shard is None, f"--fsdp=True needs FSDP2 (torch.distributed.fsdp.fully_shard, torch "
-             f"2.6 or later); this torch is {torch.__version__}: upgrade torch, or train under DDP without --fsdp")]:
+             f"2.6 or later); this torch is {torch.__version__}: upgrade torch, or train under DDP without --fsdp"),
+            (n > 1 and (not ddp or world % n or cfg.fsdp), f"--context_parallel={n} splits each sequence over n of "
+             "the processes torchrun starts, under DDP: run torchrun with a multiple of n processes, without --fsdp"),
+            (n > 1 and config.block_size % n, f"--context_parallel={n}: block_size={config.block_size} must be a "
+             "multiple of it, so that every rank holds as many positions"),
+            (n > 1 and (config.arch == "encoder-decoder" or config.window or config.pos in ("alibi", "relative") or
+                        config.attention != "softmax" or config.mem_len), "--context_parallel: ring attention is "
+             "exact softmax attention of a decoder or an encoder, with no window, score bias or memory"),
+            (config.mem_len and ddp, "mem_len (Transformer-XL) trains in one process here: the memory of each "
+             "rank's rows would have to be gathered to be saved; leave out torchrun, or set mem_len=0"),
+            (config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET,
+             "attn_impl='triton' runs on CUDA GPUs: use --attn_impl=auto (torch's SDPA here)")]:
         if wrong:
             raise UsageError(problem)
-    L = config.block_size
-    if config.arch == "encoder-decoder":  # span corruption: a part of each sequence, in spans, each a sentinel
-        if L < 2:
-            raise UsageError(f"span corruption hides part of each sequence: block_size={L} must be at least 2")
-        n_noise, n_spans = span_counts(L, cfg.noise_density, cfg.mean_span)
-        if n_spans + 1 > tokens["n_sentinel"]:
-            raise UsageError(f"span corruption of {L} tokens needs {n_spans + 1} sentinels, more than "
-                             f"{tokens['n_sentinel']}: lower block_size or raise mean_span")
-        if config.pos == "learned" and n_noise + n_spans + 1 > L:
-            raise UsageError(f"span corruption of {L} tokens gives the decoder {n_noise + n_spans + 1} tokens, more "
-                             f"than the {L} learned positions: lower noise_density, or use relative positions")
-    if config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET:
-        raise UsageError("attn_impl='triton' runs on CUDA GPUs: use --attn_impl=auto (torch's SDPA here)")
-    for split, d in data.items():
-        if len(d) <= L + 1:
-            raise UsageError(f"{split}.bin of {cfg.dataset} holds {len(d)} tokens, fewer than block_size={L} + 2: "
-                             "lower --block_size or use more text")
+    check_data(config, data, cfg.dataset, tokens, cfg.noise_density, cfg.mean_span)
 
 
 @dataclass
@@ -209,16 +208,20 @@ class Run:
     tokens: dict  # the objectives' special tokens: a mask, a decoder start, sentinels
     rank: int = 0
     world: int = 1
+    group: object = None  # context parallel: the ranks that hold this rank's sequences, a shard each
 
 
-def batch(run, split, gen):
-    """A batch of the objective on the run's device, drawn by the generator gen."""
+def batch(run, split, gen, segment):
+    """A batch of the objective on the run's device, drawn by the generator gen; with a memory
+    (Transformer-XL), segment `segment` of the streams whose starts gen draws."""
     c, cfg = run.raw_model.config, run.cfg
-    b = get_batch(run.data[split], c.arch, cfg.batch_size, c.block_size, gen, run.tokens, run.meta["vocab_size"],
+    b = stream_batch(run.data[split], cfg.batch_size, c.block_size, gen, segment) if c.mem_len else \
+        get_batch(run.data[split], c.arch, cfg.batch_size, c.block_size, gen, run.tokens, run.meta["vocab_size"],
                   cfg.mask_prob, cfg.noise_density, cfg.mean_span)
     if run.device.type == "cuda":  # pinned memory lets the copy overlap with compute (if contiguous)
-        return {k: v.contiguous().pin_memory().to(run.device, non_blocking=True) for k, v in b.items()}
-    return {k: v.to(run.device) for k, v in b.items()}
+        b = {k: v.contiguous().pin_memory().to(run.device, non_blocking=True) for k, v in b.items()}
+    b = {k: v.to(run.device) for k, v in b.items()}
+    return b if run.group is None else context_shard(b, run.rank, cfg.context_parallel, run.group)  # its shard
 
 
 @torch.no_grad()
@@ -227,15 +230,15 @@ def evaluate(run, it):
     averaged over the ranks; None if a signal cuts it short (the resumed run evaluates again).
     One that will take more than a few seconds says so after its second batch."""
     run.model.eval()
-    out, t0 = {}, time.time()
+    out, t0, stream = {}, time.time(), bool(run.raw_model.config.mem_len)  # streams: eval_iters segments on
     for split in ("train", "val"):
-        losses = torch.zeros(run.cfg.eval_iters, device=run.device)
+        losses, mems = torch.zeros(run.cfg.eval_iters, device=run.device), {}
         for k in range(run.cfg.eval_iters):
             if stopping(run.device):
                 run.model.train()
                 return None
-            with run.autocast:
-                losses[k] = run.model(**batch(run, split, eval_rng(run.cfg.seed, split == "val", run.rank, k)))[1]
+            gen = eval_rng(run.cfg.seed, split == "val", run.rank // run.cfg.context_parallel, STREAM if stream else k)
+            losses[k] = forward(run, batch(run, split, gen, k), mems)
             if split == "train" and k < 2:  # timed by its second batch: the first pays for warming up
                 sync(run.device)
                 now = time.time()
@@ -274,18 +277,30 @@ def save(run, path, iter_num, **progress):
     return True
 
 
-def forward_backward(run, it):
-    """The gradients of iteration it's batch (this rank's share of its micro-steps); its mean loss."""
-    accum = run.cfg.gradient_accumulation_steps // run.world
+def forward(run, b, mems, key=0):
+    """The loss of batch b; with a memory (Transformer-XL), the segment after the one that left
+    mems[key] (each layer's memory), which it replaces."""
+    with run.autocast:
+        if not run.raw_model.config.mem_len:
+            return run.model(**b)[1]
+        _, loss, mems[key] = run.model(**b, mems=mems.get(key), return_mems=True)
+        return loss
+
+
+def forward_backward(run, it, mems):
+    """The gradients of iteration it's batch (this rank's share of its micro-steps); its mean loss.
+    mems: the memory of each micro-step's streams (Transformer-XL), carried to the next iteration."""
+    n = run.cfg.context_parallel  # the ranks of a context group draw the same batches
+    accum = run.cfg.gradient_accumulation_steps * n // run.world
     step_loss = torch.zeros((), device=run.device)
-    for micro in range(accum):
-        b = batch(run, "train", batch_rng(run.cfg.seed, it, run.rank * accum + micro))
+    for micro in range(accum):  # a stream (Transformer-XL) draws its start once, then reads segment it
+        key = (STREAM if run.raw_model.config.mem_len else it, run.rank // n * accum + micro)
+        b = batch(run, "train", batch_rng(run.cfg.seed, *key), it)
         if isinstance(run.model, DDP):  # average gradients across ranks only on the last micro-step
             run.model.require_backward_grad_sync = micro == accum - 1
         elif sharded(run.raw_model):  # FSDP's reduce-scatter, likewise
             run.raw_model.set_requires_gradient_sync(micro == accum - 1)
-        with run.autocast:
-            _, loss = run.model(**b)
+        loss = forward(run, b, mems, micro)
         run.scaler.scale(loss / accum).backward()
         step_loss += loss.detach() / accum
     return step_loss
@@ -321,9 +336,9 @@ def train(cfg, model_args, held, given=()):
     if ddp and device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if cfg.gradient_accumulation_steps % world:
+    if cfg.gradient_accumulation_steps % max(1, world // cfg.context_parallel):
         raise UsageError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
-                         f"the {world} processes: make it a multiple of {world}")
+                         f"the {world} processes' data-parallel groups: make it a multiple of {world}")
     dtype = pick_dtype(cfg.dtype, device)
     if device.type == "cuda":  # fp32 products on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -356,6 +371,7 @@ def train(cfg, model_args, held, given=()):
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
         dist.init_process_group(backend=cfg.backend if cfg.backend != "auto" else
                                 "nccl" if device.type == "cuda" else "gloo")
+    group = context_group(cfg.context_parallel, rank, world) if cfg.context_parallel > 1 else None
 
     torch.manual_seed(cfg.seed)  # the same weights on every rank: FSDP keeps each rank's slice of them
     model = Transformer(config).to(device)
@@ -370,9 +386,9 @@ def train(cfg, model_args, held, given=()):
     optimizer = make_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     # progress: the best val loss so far, and the iteration and val loss of the last full evaluation
-    it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None, val_loss=None, fitted_iters=None)
+    it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None, val_loss=None, fitted_iters=None, mems={})
     if cfg.init_from == "resume":
-        it, progress = resume(ckpt, model, optimizer, scaler, rank, world, device)
+        it, progress = restore(ckpt, model, optimizer, scaler, rank, world, device)
         if it >= cfg.max_iters and not cfg.eval_only:
             log(f"{ckpt_path} is at iteration {it} of max_iters={cfg.max_iters}: nothing to do. To train on, raise "
                 f"--max_iters (and --lr_decay_iters, where the learning rate has decayed)")
@@ -383,26 +399,10 @@ def train(cfg, model_args, held, given=()):
         compiled = DDP(compiled, device_ids=[local_rank] if device.type == "cuda" else None,
                        find_unused_parameters=config.n_expert > 0)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    run = Run(cfg, device, autocast, data, meta, compiled, model, optimizer, scaler, tokens, rank, world)
+    run = Run(cfg, device, autocast, data, meta, compiled, model, optimizer, scaler, tokens, rank, world, group)
     for s in (signal.SIGINT, signal.SIGTERM):  # from now on: a checkpoint, then stop
         signal.signal(s, on_signal)
     return loop(run, it, progress, dtype)
-
-
-def resume(ckpt, model, optimizer, scaler, rank, world, device):
-    """Put back the optimizer's moments, the gradient scale and this rank's random state from ckpt;
-    returns the iteration to go on from and the progress the checkpoint kept."""
-    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    load_optimizer_state(model, optimizer, ckpt["optimizer"])  # the moments, and the checkpoint's betas and decay...
-    for group, ours in zip(optimizer.param_groups, settings):  # ...which give way to this run's, as logged
-        group.update(ours)
-    if ckpt["scaler"]:  # empty from a run without fp16: a run that switches to fp16 starts a new scale
-        scaler.load_state_dict(ckpt["scaler"])
-    if len(ckpt["rng"]) == world:  # each rank carries on with its own dropout stream
-        set_rng_state(ckpt["rng"][rank], device)
-    it = ckpt["iter_num"]
-    return it, dict(best_val_loss=ckpt["best_val_loss"], evaluated_at=ckpt.get("evaluated_at", it),
-                    val_loss=ckpt.get("val_loss"), fitted_iters=ckpt.get("fitted_iters"))
 
 
 def kept(path, saved_at):
@@ -422,6 +422,8 @@ def start_line(run, dtype):
         f"tokens per iteration" + (f"; MFU against {source}" if peak else ""))
     if sharded(run.raw_model):
         log(memory_line(run.optimizer, run.world))
+    if run.group is not None:
+        log(context_line(c, run.cfg.context_parallel, run.cfg.batch_size, dtype))
     return tokens_per_iter, lambda dt: flops_per_iter / dt / peak if peak else None
 
 
@@ -481,7 +483,7 @@ def loop(run, it, progress, dtype):
         if cfg.eval_only or it >= cfg.max_iters:
             break
 
-        step_loss = forward_backward(run, it)
+        step_loss = forward_backward(run, it, progress["mems"])
         # a non-finite loss (a spike, an overflow) would poison the weights: the step is skipped and
         # counted on the device, and the host stops the run at a log line if too many came in a row
         bad = all_ranks((~torch.isfinite(step_loss)).float(), dist.ReduceOp.MAX)
@@ -503,6 +505,8 @@ def loop(run, it, progress, dtype):
                       f"{kept(ckpt_path, saved_at)}: lower learning_rate, raise warmup_iters or set grad_clip",
                       file=sys.stderr)
             return 1
+        if looking and run.group is not None:  # context parallel: the loss of the whole batch, every shard's mean
+            step_loss = all_ranks(step_loss) / run.world
         if looking and MASTER:  # the first as soon as it is timed
             sync(device)
             dt = (time.time() - t0) / (it - t0_iter)  # fewer than log_interval after a resume or an eval
