@@ -8,13 +8,14 @@ import fcntl
 import os
 import re
 from contextlib import suppress
-from dataclasses import fields
+from dataclasses import asdict, fields, replace
 
 import torch
 
-from common import UsageError
+from common import UsageError, as_given
 from device import set_rng_state
 from distributed import load_optimizer_state
+from data import new_model_config
 from model import ModelConfig, Transformer
 from quantize import decode_layout, quantize_int8
 from tokenizer import Tokenizer
@@ -102,6 +103,42 @@ def restore(ckpt, model, optimizer, scaler, rank, world, device):
     mems = {k: [m.to(device) for m in layers] for k, layers in ckpt.get("mems", {}).items()}  # Transformer-XL's
     return it, dict(best_val_loss=ckpt["best_val_loss"], evaluated_at=ckpt.get("evaluated_at", it),
                     val_loss=ckpt.get("val_loss"), fitted_iters=ckpt.get("fitted_iters"), mems=mems)
+
+
+RUN_TIME = ("attn_impl", "dropout")  # model settings that a resumed run may change
+
+
+def model_config_of(cfg, model_args, meta, ckpt, ckpt_path):
+    """The model's settings: from the command line for a new run; else from the checkpoint to
+    resume, or the pretrained model to finetune, where only RUN_TIME settings may change (and a
+    pretrained model's block_size may shrink: its position table is cropped). Returns it, and the
+    training settings (cfg, train.py's) that differ from the checkpoint's, as lines to show."""
+    source = ckpt_path if cfg.init_from == "resume" else cfg.init_from
+    if ckpt is None:
+        return new_model_config(model_args, meta["vocab_size"]), []
+    try:
+        config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
+        may_shrink = cfg.init_from != "resume" and model_args.get("block_size", 0) <= config.block_size
+        may_change = RUN_TIME + ("block_size",) if may_shrink else RUN_TIME
+        config = replace(config, **{k: v for k, v in model_args.items() if k in may_change})
+    except ValueError as e:
+        raise UsageError(f"bad model settings: {e}") from None
+    saved = asdict(config)
+    for k, want in model_args.items():  # from the command line or the config file
+        if saved[k] != want:
+            raise UsageError(f"{as_given(k, want)} does not match {source}'s {k}={saved[k]!r}: set --{k}={saved[k]!r} "
+                             "or drop it, or train a new model (--init_from=scratch) in another --out_dir")
+    if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab", "tokenizer_json")):
+        if cfg.init_from != "resume":
+            raise UsageError(f"dataset {cfg.dataset!r} was not prepared with {source}'s tokenizer: prepare it with "
+                             f"python prepare.py text --input=... --tokenizer={ckpt['path']}")
+        raise UsageError(f"{source} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
+                         f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with "
+                         f"--dataset={ckpt['train_config']['dataset']}")
+    # as in nanoGPT, training settings come from the command line and config file, not the
+    # checkpoint: the caller says which differ, so that a resume without the run's config file is noticed
+    return config, [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in ckpt.get("train_config", {}).items()
+                    if k not in ("init_from", "out_dir") and hasattr(cfg, k) and getattr(cfg, k) != v]
 
 
 def load_run(out_dir, which="best"):

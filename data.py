@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from common import UsageError
 from model import ModelConfig
+from tokenizer import Tokenizer
 
 
 def load_data(data_dir, dataset):
@@ -73,6 +74,14 @@ def new_model_config(model_args, data_vocab):
         raise UsageError(f"bad model settings: {e}") from None
 
 
+def sentence_ends(meta, objective):
+    """BART's sentence permutation: {"sentence_end": the ids of ".", "!" and "?" in the data's
+    tokenizer, those it writes as one token}, for the objective's special tokens ({} for another)."""
+    if objective != "bart":
+        return {}
+    tok = Tokenizer(meta)
+    return {"sentence_end": [ids[0] for c in ".!?" if len(ids := tok.encode(c)) == 1]}
+
 def batch_rng(*key):
     """A generator seeded by key = (seed, iteration, micro-step): every training batch is a function
     of where it falls in the run, so resuming needs no saved data state, and the global batch is
@@ -89,22 +98,27 @@ def eval_rng(seed, *key):
 
 
 def get_batch(data, arch, batch_size, block_size, gen, tokens, data_vocab, mask_prob=0.15, noise_density=0.15,
-              mean_span=3.0):
-    """A random batch of the objective for this architecture, as CPU tensors."""
-    L = block_size + (arch == "decoder")  # a decoder's targets are its inputs shifted by one
+              mean_span=3.0, objective="span"):
+    """A random batch of the objective for this architecture, as CPU tensors (an encoder-decoder's:
+    objective, "span" or "bart")."""
+    L = block_size + (arch in ("decoder", "prefix-lm"))  # a decoder's targets are its inputs shifted by one
     ix = torch.randint(len(data) - L, (batch_size,), generator=gen).tolist()
     x = torch.from_numpy(np.stack([data[i : i + L] for i in ix]).astype(np.int64))
     if arch == "decoder":
         return dict(idx=x[:, :-1], targets=x[:, 1:])
+    if arch == "prefix-lm":
+        return prefix_batch(x, gen)
     if arch == "encoder":
         return mask_tokens(x, gen, tokens, data_vocab, mask_prob)
+    if objective == "bart":
+        return bart_batch(x, gen, tokens)
     return span_corrupt(x, gen, tokens, noise_density, mean_span)
 
 
-def check_data(config, data, dataset, tokens, noise_density, mean_span):
+def check_data(config, data, dataset, tokens, noise_density, mean_span, objective="span"):
     """That the data and the objective fit the model: a UsageError that says how, before any work."""
     L = config.block_size
-    if config.arch == "encoder-decoder":  # span corruption: a part of each sequence, in spans, each a sentinel
+    if config.arch == "encoder-decoder" and objective == "span":  # a part of each sequence, in spans, each a sentinel
         if L < 2:
             raise UsageError(f"span corruption hides part of each sequence: block_size={L} must be at least 2")
         n_noise, n_spans = span_counts(L, noise_density, mean_span)
@@ -132,6 +146,14 @@ def stream_batch(data, batch_size, block_size, gen, segment):
     x = torch.from_numpy(np.stack([data[i : i + block_size + 1] for i in ix]).astype(np.int64))
     return dict(idx=x[:, :-1], targets=x[:, 1:])
 
+
+def prefix_batch(x, gen):
+    """The prefix LM's batch (T5's paper): rows x (B, T + 1) split at a prefix length P drawn per row
+    uniform in [1, T - 1]; the loss counts the suffix only, from its first token, predicted at P - 1."""
+    idx, targets = x[:, :-1], x[:, 1:]
+    P = torch.randint(1, idx.size(1), (idx.size(0),), generator=gen)  # (B,)
+    before = torch.arange(idx.size(1)) < (P - 1)[:, None]  # targets of the prefix itself: no loss
+    return dict(idx=idx, targets=targets.masked_fill(before, -100), prefix_len=P)
 
 def mask_tokens(x, gen, tokens, data_vocab, p=0.15):
     """BERT's masked LM: choose p of the tokens to predict (at least one per row); of those 80%
@@ -186,3 +208,50 @@ def span_corrupt(x, gen, tokens, noise_density=0.15, mean_span=3.0):
     target = torch.cat((replace_runs(x, ~noise, first, step), torch.full((B, 1), first + step * n_spans)), dim=1)
     start = torch.full((B, 1), tokens["start"])
     return dict(src=src, idx=torch.cat((start, target[:, :-1]), dim=1), targets=target)
+
+
+def bart_noise(ids, mask_id, generator, ratio=0.3, poisson=3.0, sentence_end=None):
+    """BART's noise (Lewis et al. 2020) on one sequence ids (n,), which it leaves as it is: a new
+    sequence, of a length of its own. First sentence permutation: a sentence ends at a run of
+    sentence_end ids (an id or a list; None: no permutation), and the text after the last one is a
+    sentence too. Then text infilling: span lengths drawn from Poisson(poisson) until they cover
+    round(ratio * n) ids (the last span cut to fit), placed at random among the ids kept, each
+    replaced by one mask_id: a span of length 0 inserts one, and masks side by side merge into one."""
+    n = len(ids)
+    if sentence_end is not None and n:
+        end = torch.isin(ids, torch.as_tensor(sentence_end))
+        last = end & ~F.pad(end[1:], (0, 1))  # the last id of a run of sentence ends ("?!", "...")
+        sentence = F.pad(last[:-1].cumsum(0), (1, 0))  # (n,) each id's sentence
+        place = torch.randperm(int(sentence[-1]) + 1, generator=generator)  # each sentence's new place
+        ids = ids[torch.sort(place[sentence], stable=True).indices]
+    n_cover = round(ratio * n)
+    if n_cover and poisson <= 0:
+        raise ValueError(f"spans of mean length poisson={poisson} never cover a token: give a mean above 0")
+    lengths = torch.zeros(0, dtype=torch.long)
+    while lengths.sum() < n_cover:  # draw until the spans cover n_cover ids
+        lengths = torch.cat((lengths, torch.poisson(torch.full((n_cover,), float(poisson)), generator=generator).long()))
+    k = int(torch.searchsorted(lengths.cumsum(0), n_cover)) + 1 if n_cover else 0  # the draw that gets there
+    lengths = lengths[:k]
+    if k:
+        lengths[-1] -= lengths.sum() - n_cover
+    # n - n_cover kept ids and k spans in a random order: k of the slots are spans, in order
+    span = torch.zeros(n - n_cover + k, dtype=torch.bool)
+    span[torch.randperm(len(span), generator=generator)[:k]] = True
+    covered = span.repeat_interleave(torch.ones(len(span), dtype=torch.long).masked_scatter(span, lengths))  # (n,)
+    out = torch.full((len(span),), mask_id, dtype=ids.dtype).masked_scatter(~span, ids[~covered])
+    return out[~(span & F.pad(span[:-1], (1, 0)))]  # a span right after a span: no second mask
+
+
+def bart_batch(x, gen, tokens):
+    """BART's denoising batch of x (B, L): the encoder reads each row noised by bart_noise (the
+    sentences end at tokens["sentence_end"], if tokens has it: the data's ids of ".", "!", "?"),
+    padded to L with src_mask False there (a row grows past L only when zero-length spans
+    outnumber the ids masked; it keeps its first L); the decoder reads the start token and the
+    row, and writes the row."""
+    B, L = x.shape
+    src, src_mask = torch.zeros_like(x), torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        row = bart_noise(x[b], tokens["mask"], gen, sentence_end=tokens.get("sentence_end"))[:L]
+        src[b, : len(row)], src_mask[b, : len(row)] = row, True
+    start = torch.full((B, 1), tokens["start"])
+    return dict(src=src, src_mask=src_mask, idx=torch.cat((start, x[:, :-1]), dim=1), targets=x)

@@ -44,16 +44,17 @@ def piece_size(model, T, first=False):
     return max(1, slots - model.config.n_global - reach(model.config) + 1)
 
 
-def prefill(model, idx, input_pos, mask=None, src_mask=None):
+def prefill(model, idx, input_pos, mask=None, src_mask=None, prefix_len=None):
     """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), idx going into
     caches that model.setup_kv_cache made. A prompt longer than the cache goes in by pieces: the
     first fills the ring, each next one overwrites only keys that none of its queries sees.
-    Attention's memory is then O(size^2), not O(T^2). A recurrent state takes the prompt in one piece."""
+    Attention's memory is then O(size^2), not O(T^2). A recurrent state takes the prompt in one piece,
+    and so does a prefix LM's prefix (prefix_len (B,)), which its positions read both ways."""
     s, n = 0, piece_size(model, idx.size(1), first=True)
     while s < idx.size(1):
         piece = slice(s, s + n)
         logits = model(idx[:, piece], mask=None if mask is None else mask[:, piece], src_mask=src_mask,
-                       input_pos=input_pos[..., piece])[0]
+                       input_pos=input_pos[..., piece], prefix_len=prefix_len)[0]
         s, n = s + n, piece_size(model, idx.size(1))
     return logits[:, -1]
 
@@ -99,9 +100,12 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
     memory = None if src is None else model.encode(src, src_mask)
     # a kind that keeps nothing (LSH) runs the model over its context at every step, as nanoGPT does
     recompute = ATTENTIONS[model.decoder.kind].keeps == "none"
-    # the model sees at most block_size tokens: with absolute positions (or recomputing) the last
-    # block_size of the prompt; with relative ones all of it, each query through a window of block_size
-    crop = slice(-c.block_size, None) if absolute_positions(c) or recompute else slice(None)
+    # the model sees at most block_size tokens: with absolute positions (or recomputing, or a prefix
+    # LM's prefix) the last block_size of the prompt; with relative ones all of it, each query through
+    # a window of block_size
+    restart = absolute_positions(c) or c.arch == "prefix-lm"
+    crop = slice(-c.block_size, None) if restart or recompute else slice(None)
+    prompt = idx.size(1)  # a prefix LM's prefix: the prompt, read both ways
     size = cache_size(model, idx[:, crop].size(1), max_new_tokens, COMPILED_CACHE_STEP if compile else 1)
 
     def start(idx, mask):  # the prompt (cropped) into fresh caches: the logits after it, its last position
@@ -110,7 +114,11 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         pos = torch.arange(tokens.size(1), device=tokens.device)[None]
         if valid is not None:
             pos = (valid.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
-        return prefill(model, tokens, pos, valid, src_mask), pos[:, -1:]
+        prefix = None
+        if c.arch == "prefix-lm":  # the prompt's tokens in view: their positions are the first
+            n = max(0, prompt - (idx.size(1) - tokens.size(1)))
+            prefix = valid[:, :n].sum(1) if valid is not None else torch.full((tokens.size(0),), n, device=idx.device)
+        return prefill(model, tokens, pos, valid, src_mask, prefix), pos[:, -1:]
 
     try:
         logits, pos = start(idx, mask)
@@ -121,7 +129,7 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
                 break
             idx = torch.cat((idx, idx_next), dim=1)
             mask = None if mask is None else F.pad(mask, (0, 1), value=True)
-            if recompute or absolute_positions(c) and idx.size(1) > c.block_size:
+            if recompute or restart and idx.size(1) > c.block_size:
                 # absolute positions must shift: recompute the last block_size tokens as
                 # nanoGPT does (no cache saving from here on)
                 logits, pos = start(idx, mask)

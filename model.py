@@ -5,6 +5,7 @@ One config expresses GPT-2, BERT, T5, Llama and the original Transformer:
   GPT-2     arch="decoder", pos="learned", norm="layernorm", mlp="gelu"
   nanoGPT   GPT-2 with bias=False, gelu_approximate="none"
   BERT      arch="encoder", pos="learned", norm_first=False, lm_head_bias=True
+  prefix LM arch="prefix-lm": a decoder whose prompt (prefix) is read both ways (T5's paper)
   T5        arch="encoder-decoder", pos="relative", norm="rmsnorm", mlp="relu" or "geglu", bias=False
   Llama     arch="decoder", pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_head < n_head, bias=False
   Vaswani   arch="encoder-decoder", pos="sinusoidal", norm_first=False, mlp="relu" (plus BERT's
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 import efficient
 import kernels
 
-ARCHS = ("decoder", "encoder", "encoder-decoder")
+ARCHS = ("decoder", "encoder", "encoder-decoder", "prefix-lm")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu", "relu2", "swiglu", "geglu")
@@ -64,7 +65,7 @@ ATTENTIONS = {
 
 @dataclass
 class ModelConfig:
-    arch: str = "decoder"  # "decoder" (GPT), "encoder" (BERT), "encoder-decoder" (T5, Vaswani et al.)
+    arch: str = "decoder"  # "decoder" (GPT), "encoder" (BERT), "encoder-decoder" (T5, Vaswani et al.), "prefix-lm"
     vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64, which matmuls like
     block_size: int = 1024  # the context trained on; the length of a learned position table
     n_layer: int = 12  # blocks per stack (an encoder-decoder has two stacks)
@@ -174,6 +175,8 @@ class ModelConfig:
              f"scores, which {a} attention has none of: choose pos='rope', 'learned', 'sinusoidal' or 'none'"),
             ((self.window or self.n_global) and not kind.window, f"{a} attention weighs every key it sees: it has "
              "no window (set window=0), nor global tokens beside one (set n_global=0)"),
+            (self.arch == "prefix-lm" and a != "softmax", f"a prefix LM reads its prefix both ways and the rest "
+             f"causally, in one mask that {a} attention does not take: choose attention='softmax'"),
             (self.arch == "decoder" and not kind.causal, f"{a} attention mixes later keys into earlier ones, so a "
              "decoder cannot have it: use it in an encoder (or an encoder-decoder's encoder)"),
             (self.arch == "encoder" and not kind.bidirectional, f"{a} attention is causal only: an encoder "
@@ -192,7 +195,8 @@ class ModelConfig:
              f"and bucket_size={self.bucket_size} do not make one; choose bucket_size to divide block_size / 2"),
             (a == "lsh" and self.n_kv_head != self.n_head, "lsh attention shares queries and keys (the keys are the "
              "queries' unit vectors), so it has no key/value head groups: set n_kv_head=None"),
-            (self.n_random and (self.arch == "decoder" or not self.window or a != "softmax"), "BigBird's random "
+            (self.n_random and (self.arch in ("decoder", "prefix-lm") or not self.window or a != "softmax"),
+             "BigBird's random "
              "blocks (n_random) join an encoder's window: set arch='encoder' or 'encoder-decoder', a window, and "
              "attention='softmax' (a causal BigBird, as Hugging Face's, is refused)"),
             (self.n_random and (self.pos in ("alibi", "relative") or self.block_size % self.sparse_block),
@@ -589,11 +593,13 @@ class Stack(nn.Module):
         self.ln_f = make_norm(config)
         self.cache_pos = None  # (B, size) while generating: the position each cache slot holds, -1: none
 
-    def forward(self, x, pos, valid=None, memory=None, memory_valid=None, weights=None, mems=None, group=None):
+    def forward(self, x, pos, valid=None, memory=None, memory_valid=None, weights=None, mems=None, group=None,
+                prefix=None):
         # x (B, T, C): token embeddings at positions pos (B|1, T); valid (B, T): False for padding;
         # weights: a dict that each attention's weights go to, by name (see Transformer.forward);
         # mems: Transformer-XL's memory, one (B, M, C) per layer ([] at the start of a stream), or None;
-        # group: context parallel, x is this rank's shard of sequences split over the group's ranks
+        # group: context parallel, x is this rank's shard of sequences split over the group's ranks;
+        # prefix (B,): a prefix LM's, the positions below it see each other both ways
         c = self.config
         if c.pos == "learned":
             x = x + self.wpe(pos)
@@ -619,7 +625,7 @@ class Stack(nn.Module):
         name = "decoder" if self.causal else "encoder"
         record = (lambda what: weights.setdefault(f"{name} {what}", [])) if weights is not None else lambda what: None
         mask = Mask(self.causal, ring=group) if group is not None else \
-            self.mask(pos, keys, own, window, valid, slots, record("self-attention"))
+            self.mask(pos, keys, own, window, valid, slots, record("self-attention"), prefix)
         memory_mask = self.memory_mask(T, memory_valid, x.device, record("cross-attention (to the encoder)")) \
             if self.cross else None
         cos_sin = rope(torch.cat((before, pos), 1), c.head_size, c.rope_theta, c.rope_scaling) \
@@ -635,7 +641,7 @@ class Stack(nn.Module):
         """What each query may see, in pieces: the form the kernel takes, and what attn_impl reads."""
         return Mask(self.causal, window, self.slopes if self.config.pos == "alibi" else None, valid)
 
-    def mask(self, pos, keys, own, window, valid, slots, weights=None):
+    def mask(self, pos, keys, own, window, valid, slots, weights=None, prefix=None):
         """The self-attention mask of the queries at pos (B|1, Tq) over the keys at keys (B|1, Tk)
         (valid (B, Tq): False for padding; slots: where a KV cache keeps the keys) with its backend,
         chosen once here for every layer (the math path when weights are kept), and built once in
@@ -645,11 +651,12 @@ class Stack(nn.Module):
         pieces = self.pieces(window, valid)
         backend = "math" if weights is not None else attn_impl(self.config, pos.device, self.training, pieces,
                                                               pos.size(1))
-        if backend == "triton" and slots is None and keys.size(1) == pos.size(1):  # the kernel reads keys in
-            # order, the queries' own, not from a ring nor after a memory
+        if backend == "triton" and slots is None and keys.size(1) == pos.size(1) and prefix is None:  # the kernel
+            # reads keys in order, the queries' own, not from a ring nor after a memory
             return pieces._replace(backend=backend)
-        dense = slots is not None or valid is not None or window or keys.size(1) != pos.size(1)  # not SDPA's causal
-        bias = self.attn_bias(pos, keys, own, window) if dense or self.config.pos in ("alibi", "relative") else None
+        dense = slots is not None or valid is not None or window or keys.size(1) != pos.size(1) or prefix is not None
+        bias = self.attn_bias(pos, keys, own, window, prefix) if dense or self.config.pos in ("alibi", "relative") \
+            else None  # else plain causal (or nothing): SDPA's own
         return Mask(self.causal, valid=valid, bias=bias, backend="sdpa" if backend == "triton" else backend,
                     slots=slots, weights=weights)
 
@@ -661,13 +668,16 @@ class Stack(nn.Module):
             return Mask(valid=valid, backend=backend)
         return Mask(bias=None if valid is None else padding_bias(valid), backend=backend, weights=weights)
 
-    def attn_bias(self, pos, keys, own, window):
+    def attn_bias(self, pos, keys, own, window, prefix=None):
         """What each query at pos (B|1, Tq) may see of the keys at keys (B|1, Tk), as Mask's dense
         `bias` (B|1, nh|1, Tq, Tk). A key at -1 (padding, an empty cache slot) is seen only by its
-        own query (own (Tq,): the index of each query's key), so that no row is empty."""
+        own query (own (Tq,): the index of each query's key), so that no row is empty. prefix (B,):
+        the positions below it see each other both ways (a prefix LM; t5x's make_decoder_mask)."""
         c = self.config
         dist = pos[:, :, None] - keys[:, None, :]  # (B|1, Tq, Tk) query position - key position
         see = (keys >= 0)[:, None, :] & ((dist >= 0) if self.causal else True)
+        if prefix is not None:
+            see = see | (((keys >= 0) & (keys < prefix[:, None]))[:, None, :] & (pos < prefix[:, None])[:, :, None])
         if window:  # global tokens are seen by every query, and in an encoder see every key (Longformer)
             glob = (keys < c.n_global)[:, None, :] | ((pos < c.n_global)[:, :, None] & (not self.causal))
             see = see & ((dist.abs() < window) | glob)
@@ -692,7 +702,7 @@ class Transformer(nn.Module):
         self.config = config
         C = config.n_embd
         self.wte = nn.Embedding(config.vocab_size, C)
-        self.encoder = Stack(config, causal=False) if config.arch != "decoder" else None
+        self.encoder = Stack(config, causal=False) if config.arch in ("encoder", "encoder-decoder") else None
         cross = config.arch == "encoder-decoder"
         self.decoder = Stack(config, causal=True, cross=cross) if config.arch != "encoder" else None
         # BERT transforms the hidden state once more before predicting
@@ -716,7 +726,7 @@ class Transformer(nn.Module):
             nn.init.zeros_(self.lm_head.weight)
 
     def forward(self, idx, targets=None, *, mask=None, src=None, src_mask=None, input_pos=None, weights=None,
-                mems=None, return_mems=False, group=None):
+                mems=None, return_mems=False, group=None, prefix_len=None):
         """idx (B, T) token ids -> logits (B, T, vocab_size), and the loss against targets (B, T),
         where -100 marks positions without a loss. mask (B, T) is False at padding in idx. An
         encoder-decoder reads src (B, S) (padding: src_mask) and predicts idx. input_pos (T,) or
@@ -726,7 +736,8 @@ class Transformer(nn.Module):
         With mem_len (Transformer-XL), return_mems=True also returns the memory for the next segment,
         one (B, mem_len, C) per layer, detached; mems: the one the segment before returned (None at
         the start of a stream), whose positions come before idx's. group (context parallel): idx is
-        this rank's shard, at input_pos, of sequences split in order over the group's ranks."""
+        this rank's shard, at input_pos, of sequences split in order over the group's ranks. prefix_len
+        (B,): a prefix LM's prefix in each row, its first positions, which see each other both ways."""
         c = self.config
         B, T = idx.shape
         if input_pos is None:
@@ -740,7 +751,7 @@ class Transformer(nn.Module):
                 raise ValueError("an encoder-decoder needs src: model(idx, targets, src=src)")
             memory = None if src is None else self.encode(src, src_mask, weights)
             mems = (mems or []) if c.mem_len and (return_mems or mems) else None  # [] at a stream's start
-            x = self.decoder(self.wte(idx), pos, mask, memory, src_mask, weights, mems, group)
+            x = self.decoder(self.wte(idx), pos, mask, memory, src_mask, weights, mems, group, prefix_len)
             x, mems = x if mems is not None else (x, None)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         if c.logit_softcap:

@@ -7,8 +7,9 @@ The optimizers and the learning-rate schedule that train.py steps.
   `MuonAdamW`, whose state_dict holds plain tensors, so checkpoints load with weights_only=True and
   a resume continues exactly.
 
-Every parameter group keeps its own peak learning rate in "base_lr"; the schedule is a factor of it
-(linear warmup, then cosine decay to min_lr / learning_rate).
+Every parameter group keeps its own peak learning rate in "base_lr"; the schedule is a factor of it:
+linear warmup, then a decay to min_lr / learning_rate at lr_decay_iters, by cosine, by a straight
+line, or (WSD) flat at the peak and then a straight line over the last decay_frac.
 """
 
 import math
@@ -27,9 +28,19 @@ from distributed import slice_like, whole
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
+def decay_start(cfg):
+    """The iteration where the decay begins: the warmup's end, or under WSD the start of the last
+    decay_frac of lr_decay_iters (not before the warmup's end)."""
+    if cfg.schedule == "wsd":
+        return max(cfg.warmup_iters, cfg.lr_decay_iters * (1 - cfg.decay_frac))
+    return cfg.warmup_iters
+
+
 def lr_factor(it, cfg):
-    """The schedule at iteration it, a factor of each group's peak rate: linear warmup, then cosine
-    decay to min_lr / learning_rate at lr_decay_iters, flat after."""
+    """The schedule at iteration it, a factor of each group's peak rate: linear warmup, then a decay
+    from 1 at decay_start to min_lr / learning_rate at lr_decay_iters, flat after; the decay is a
+    cosine (schedule="cosine"), or a straight line ("linear"; "wsd", which is flat at 1 until its
+    later start). A pure function of it and cfg: a resume continues the same rates."""
     if not cfg.decay_lr:
         return 1.0
     if it < cfg.warmup_iters:
@@ -37,8 +48,14 @@ def lr_factor(it, cfg):
     low = cfg.min_lr / cfg.learning_rate if cfg.learning_rate else 1.0
     if it > cfg.lr_decay_iters:
         return low
-    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    return low + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - low)
+    start = decay_start(cfg)
+    if cfg.schedule == "cosine":
+        ratio = (it - start) / max(1, cfg.lr_decay_iters - start)
+        return low + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - low)
+    if it < start:  # WSD's stable phase
+        return 1.0
+    span = cfg.lr_decay_iters - start  # > 0 unless it == start == lr_decay_iters
+    return low + (cfg.lr_decay_iters - it) / span * (1.0 - low) if span > 0 else low
 
 
 def budget_seconds(text):
@@ -56,7 +73,8 @@ class Budget:
     tells it each evaluation's time with its checkpoints; then max_iters and lr_decay_iters become
     the iterations that fit, so the schedule's decay ends with the run. Before each later
     evaluation it times the iterations since the last one and fits again: shorter if the run
-    would end late, longer only in the run's first half. EXIT_S is left for the process to end.
+    would end late, longer only in the run's first half; under WSD, either way until its decay
+    starts, and never after. EXIT_S is left for the process to end.
     The checkpoints keep the number: a resume continues with it."""
     TIMED, EXIT_S = 5, 1.0
 
@@ -73,8 +91,11 @@ class Budget:
         each evaluation, if fewer than max_iters); else None."""
         if self.seconds is None:
             return None
+        wsd = cfg.schedule == "wsd"
         if self.fitted:  # the iterations since the last evaluation, before the next
             if it % cfg.eval_interval or it == cfg.max_iters or it <= self.mark[1]:
+                return None
+            if wsd and it >= decay_start(cfg):  # WSD's decay has begun: the length stays (see below)
                 return None
             t0, timed = self.mark[0], it - self.mark[1]
         else:
@@ -91,9 +112,19 @@ class Budget:
         if n <= it and not self.fitted:
             raise UsageError(f"max_time={cfg.max_time} is too short: {time.time() - self.start:.1f} s went to setting "
                              f"up, {it} iterations and an evaluation ({self.eval_s:.1f} s): give it more time")
-        # later: a run that would end late gets shorter; in its first half, one that would end early by
-        # more than 2% gets longer (the decay has barely begun); else the length stays
-        if self.fitted and (n >= cfg.max_iters if 2 * it > cfg.max_iters else abs(n - cfg.max_iters) <= 0.02 * n):
+        # later, cosine and linear (a new length moves every rate still to come): a run that would end
+        # late gets shorter; in its first half, one that would end early by more than 2% gets longer
+        # (the decay has barely begun); else the length stays.
+        # WSD's rates before its decay are the peak whatever the length, so a refit changes no rate
+        # while the decay has not begun under the old length nor under the new one: until the decay
+        # starts the length follows the pace both ways (by more than 2%), but never so short that its
+        # decay would have begun before now; once it has begun (above), the length stays and the decay
+        # runs whole to the end (a machine that slows down then makes the run end late)
+        if self.fitted and wsd and it > cfg.warmup_iters:  # (so decay_frac < 1: the decay starts after the warmup)
+            n = max(n, math.ceil(it / (1 - cfg.decay_frac)))
+            n += n * (1 - cfg.decay_frac) < it  # where the division rounded down: decay_start's own product
+        second_half = 2 * it > cfg.max_iters and not wsd
+        if self.fitted and (n >= cfg.max_iters if second_half else abs(n - cfg.max_iters) <= 0.02 * n):
             return None
         self.fitted = True
         return max(n, it)

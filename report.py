@@ -150,7 +150,7 @@ def greedy_sample(model, val, tokens, tok):
     was_training = model.training
     model.eval()
     try:
-        if c.arch == "decoder":
+        if c.arch in ("decoder", "prefix-lm"):  # a prompt continued
             p = min(SAMPLE_PROMPT, c.block_size)
             out = generate(model, x[:, :p], SAMPLE_NEW, temperature=0, vocab_limit=tok.vocab_size)[0].tolist()
             return [(text(out[:p]), False), (text(out[p:]), True)]

@@ -11,7 +11,7 @@ Sample from a trained model; the text streams to stdout as it is generated.
     python sample.py --init_from=gpt2 --start="Hello"          # a Hugging Face model: a directory or a hub name
 
 A decoder continues the prompt. An encoder (masked LM) fills each [MASK] with one token; an
-encoder-decoder (span corruption) fills each [MASK] with a span of any length.
+encoder-decoder fills each [MASK] with a span of any length (span corruption), or writes it all again (BART).
 """
 
 import os
@@ -64,8 +64,6 @@ class SampleConfig:
 
 
 RENAMED = {"attention": "attention_page"}  # old name: new name; the old one still works, with a notice
-
-
 # the values each setting may take, beyond its type
 RANGES = dict(ckpt=("best", "latest"), quantize=("", "int8"), max_new_tokens="[0, inf)", temperature="[0, inf)",
               top_k="[1, inf)", top_p="(0, 1]", num_samples="[1, inf)", draft_k="[1, inf)",
@@ -97,6 +95,8 @@ def refusals(cfg, model, draft):
         if ATTENTIONS[m.config.attention].keeps != "kv":
             raise UsageError(f"{m.config.attention} attention's state cannot take back rejected draft tokens: "
                              "leave out --draft_dir")
+    if draft is not None and model.config.arch == "prefix-lm":  # speculative_generate's prefill is causal
+        raise UsageError("a prefix LM reads its prompt both ways, which drafting cannot: leave out --draft_dir")
     if cfg.attention_page and not ATTENTIONS[model.config.attention].weights:
         raise UsageError(f"{model.config.attention} attention has no attention weights to draw: leave out "
                          "--attention_page")
@@ -133,19 +133,20 @@ def main(argv):
     if unknown := tok.unknown(prompt.replace(MASK, "")):
         raise UsageError(f"the prompt has characters the model's vocabulary lacks: {''.join(unknown)!r}; "
                          "remove or replace them")
-    arch = model.config.arch
-    if arch != "decoder" and (cfg.batch or cfg.draft_dir):
+    arch, continues = model.config.arch, model.config.arch in ("decoder", "prefix-lm")  # a prompt; else blanks
+    if not continues and (cfg.batch or cfg.draft_dir):
         raise UsageError(f"an {arch} fills in blanks, one prompt at a time: leave out --batch and --draft_dir")
-    if MASK not in prompt and arch != "decoder":
+    if MASK not in prompt and not continues:
         raise UsageError(f"an {arch} fills in blanks: put {MASK} in --start where text is missing")
     draft = load_draft(cfg.draft_dir, model, tok, device, cfg.quantize, cfg.ckpt) if cfg.draft_dir else None
     refusals(cfg, model, draft)
     if draft is not None:  # each mode: (model, tok, prompt, cfg, device) -> Result
         mode = partial(speculate, draft=draft)
-    elif cfg.batch or arch == "decoder":
+    elif cfg.batch or continues:
         mode = continue_batch if cfg.batch else continue_text
     else:
-        mode = partial({"encoder": fill_masks, "encoder-decoder": fill_spans}[arch], special=ckpt["tokens"])
+        fill = reconstruct if ckpt.get("train_config", {}).get("objective") == "bart" else fill_spans
+        mode = partial({"encoder": fill_masks, "encoder-decoder": fill}[arch], special=ckpt["tokens"])
     torch.manual_seed(cfg.seed)
     with autocast:
         results, dt = timed(lambda: [mode(model, tok, prompt, cfg, device) for _ in range(cfg.num_samples)], device)
@@ -316,6 +317,22 @@ def fill_spans(model, tok, prompt, cfg, device, special):
         elif t < tok.vocab_size and t not in sentinels:
             write(text(t))
     write(text(None) + "".join(pieces[shown + 1:]) + SEP)  # then the text after spans the model did not close
+    return Result(len(out) - 1, [dict(idx=out, src=ids)])
+
+
+def reconstruct(model, tok, prompt, cfg, device, special):
+    """BART: each [MASK] becomes the mask token; the decoder writes the whole text from its start token
+    until it ends as the prompt does, at the prompt's length or more (or --max_new_tokens tokens)."""
+    ids, _, pieces = blanks(model, tok, prompt, lambda k: special["mask"])
+    out, text, written = [special["start"]], tok.streamer(), ""
+    for t in generate_tokens(model, torch.tensor([out], device=device), cfg.max_new_tokens, cfg.temperature,
+                             cfg.top_k, cfg.top_p, src=torch.tensor([ids], device=device), vocab_limit=tok.vocab_size,
+                             compile=cfg.compile):
+        out.append(t.item())
+        write(new := text(out[-1]))
+        if pieces[-1] and len(written := written + new) >= len("".join(pieces)) and written.endswith(pieces[-1]):
+            break
+    write(text(None) + SEP)
     return Result(len(out) - 1, [dict(idx=out, src=ids)])
 
 

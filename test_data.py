@@ -1,6 +1,8 @@
 """Training data (data.py): the batches of the three objectives (next token, masked LM, span
 corruption) and the seed of every batch of a run."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -85,3 +87,94 @@ def test_a_stream_batch_reads_each_rows_text_segment_after_segment():
         assert torch.equal((a["idx"][:, -1] + 1) % (1000 - 17), b["idx"][:, 0] % (1000 - 17))
     assert torch.equal(segments[0]["targets"][:, :-1], segments[0]["idx"][:, 1:])
     assert not torch.equal(segments[0]["idx"], data.stream_batch(text, 4, 16, torch.Generator().manual_seed(8), 0)["idx"])
+
+
+def test_a_prefix_lm_batch_draws_each_rows_prefix_in_1_to_t_minus_1_and_counts_its_suffix_only():
+    x = torch.randint(0, 50, (4000, 17), generator=torch.Generator().manual_seed(0))
+    b = data.prefix_batch(x, torch.Generator().manual_seed(1))
+    P, T = b["prefix_len"], 16
+    assert P.min() == 1 and P.max() == T - 1 and abs(P.float().mean() - T / 2) < 0.2  # uniform in [1, T - 1]
+    t = torch.arange(T)
+    assert ((b["targets"] == -100) == (t < (P - 1)[:, None])).all()  # the first suffix token (at P - 1) counts
+    assert torch.equal(b["targets"][t >= (P - 1)[:, None]], x[:, 1:][t >= (P - 1)[:, None]])
+    assert torch.equal(b["idx"], x[:, :-1])
+
+
+MASK = -1  # bart_noise's mask id in these tests: no id of the text
+
+
+def mask_gaps(out, n):
+    """For the noised out of arange(n) (kept ids in order, MASK in each gap): the ids each mask
+    stands for, in order."""
+    gaps, before = [], -1
+    for i, t in enumerate(out + [n]):
+        if t != MASK:
+            assert t > before  # kept ids keep their order
+            if i and out[i - 1] == MASK:
+                gaps.append(t - before - 1)
+            before = t
+    return gaps
+
+
+@pytest.mark.parametrize("n", [64, 201])
+def test_bart_infilling_masks_30_percent_in_spans_of_one_mask_each_never_two_masks_in_a_row(n):
+    g, ids = torch.Generator().manual_seed(0), torch.arange(n)
+    covered = []
+    for _ in range(300):
+        out = data.bart_noise(ids, MASK, g).tolist()
+        assert all(not (a == b == MASK) for a, b in zip(out, out[1:]))
+        gaps = mask_gaps(out, n)
+        assert len(gaps) == out.count(MASK) and sum(gaps) == n - (len(out) - out.count(MASK))
+        covered.append(sum(gaps))
+    assert set(covered) == {round(0.3 * n)}  # the last span is cut so that they cover 30% to the token
+    assert torch.equal(ids, torch.arange(n))  # its input as it was
+
+
+def test_bart_span_lengths_are_poisson_3_and_a_zero_length_span_inserts_a_mask():
+    # 300 spans' worth among 30,000 ids: spans almost never meet, and the one cut to fit is 1 in 100
+    g, n, gaps = torch.Generator().manual_seed(0), 30_000, []
+    for _ in range(50):
+        gaps += mask_gaps(data.bart_noise(torch.arange(n), MASK, g, ratio=0.01).tolist(), n)
+    counts = torch.bincount(torch.tensor(gaps), minlength=8)[:8] / len(gaps)
+    poisson = torch.tensor([math.exp(-3) * 3**k / math.factorial(k) for k in range(8)])
+    assert counts[0] > 0.04  # a mask between two ids that were side by side: inserted
+    torch.testing.assert_close(counts, poisson, rtol=0, atol=0.015)
+
+
+def test_bart_permutes_whole_sentences_and_the_text_after_the_last_end_is_one_too():
+    END, Q = 0, 1  # "." and "?": a run of ends ("?.") ends one sentence
+    sentences = [[10, 11, END], [20, Q, END], [30, 31, 32, Q], [40, END, END], [50, 51]]  # the last has no end
+    ids = torch.tensor(sum(sentences, []))
+    g, orders = torch.Generator().manual_seed(0), set()
+    for _ in range(200):
+        out, order = data.bart_noise(ids, MASK, g, ratio=0, sentence_end=[END, Q]).tolist(), []
+        while out:  # each sentence starts with an id of its own: peel them off the front
+            k = next(k for k, s in enumerate(sentences) if s[0] == out[0])
+            assert out[: len(sentences[k])] == sentences[k]
+            out, order = out[len(sentences[k]):], order + [k]
+        assert sorted(order) == list(range(5))
+        orders.add(tuple(order))
+    assert len(orders) > 60 and any(o[-1] != 4 for o in orders)  # the end's sentence moves too
+    assert torch.equal(data.bart_noise(ids, MASK, g, ratio=0), ids)  # no sentence ends given: no permutation
+    assert torch.equal(ids, torch.tensor(sum(sentences, [])))
+
+
+def test_bart_batch_reconstructs_the_text_from_its_noised_rows_padded_or_cropped_to_L():
+    B, L = 400, 3  # so short that some rows grow: a zero-length span inserts a mask, and the row keeps its first L
+    x = torch.randint(0, 50, (B, L), generator=torch.Generator().manual_seed(0))
+    tokens = data.special_tokens(50) | {"sentence_end": [7]}
+    b = data.bart_batch(x, torch.Generator().manual_seed(1), tokens)
+    assert b["src"].shape == b["src_mask"].shape == b["idx"].shape == b["targets"].shape == (B, L)
+    assert torch.equal(b["targets"], x) and torch.equal(b["idx"][:, 1:], x[:, :-1])
+    assert (b["idx"][:, 0] == tokens["start"]).all()
+    g, grown = torch.Generator().manual_seed(1), 0
+    for row in range(B):  # each row as bart_noise gives it, padded (src_mask False there) or cropped
+        want = data.bart_noise(x[row], tokens["mask"], g, sentence_end=[7])
+        n = min(len(want), L)
+        assert torch.equal(b["src"][row, :n], want[:L]) and b["src_mask"][row].tolist() == [True] * n + [False] * (L - n)
+        grown += len(want) > L
+    assert grown > 0
+    text = np.random.default_rng(0).integers(0, 50, 100_000).astype(np.uint16)
+    t = data.get_batch(text, "encoder-decoder", 8, 64, torch.Generator().manual_seed(0), tokens, 50, objective="bart")
+    assert t["src"].shape == (8, 64) and torch.equal(t["idx"][:, 1:], t["targets"][:, :-1])
+    assert ((t["src"] == tokens["mask"]) & t["src_mask"]).any(1).all()

@@ -357,3 +357,21 @@ def test_a_transformer_xl_decoder_generates_with_block_size_plus_mem_len_keys_in
     plain.load_state_dict(xl.state_dict())
     idx = prompt(5, B=2)
     assert torch.equal(generate(xl, idx, 40, temperature=0), generate(plain, idx, 40, temperature=0))
+
+
+def test_a_prefix_lm_takes_the_prompt_as_its_prefix_and_decodes_as_full_passes_do(tiny_model):
+    """The prompt is prefilled once, read both ways; then each cached step's greedy token is the
+    argmax of a full forward pass under the prefix mask, also past block_size (the prompt's part
+    still in view is the prefix), and for left-padded prompts of two lengths."""
+    model = tiny_model(arch="prefix-lm", pos="rope", block_size=16)
+    idx = prompt(6, B=2)
+    out = generate(model, idx, 8, temperature=0)
+    for t in range(6, 14):
+        want = model(out[:, :t], prefix_len=torch.full((2,), 6))[0][:, -1].argmax(-1)
+        assert torch.equal(out[:, t], want)
+    long = generate(model, idx, 14, temperature=0)[:, :20]  # past 16: the last 16 tokens, 2 of the prompt in view
+    assert torch.equal(long[:, 19], model(long[:, 3:19], prefix_len=torch.full((2,), 3))[0][:, -1].argmax(-1))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :2] = False  # row 0: a prompt of 4, left-padded
+    together = generate(model, idx, 5, temperature=0, mask=mask)
+    assert torch.equal(together[0, 6:], generate(model, idx[:1, 2:], 5, temperature=0)[0, 4:])

@@ -585,3 +585,39 @@ def test_the_loss_on_a_segment_gives_the_memorys_tokens_no_gradient(tiny_model):
 def test_a_memory_is_refused_where_it_cannot_be(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         ModelConfig(**dict(mem_len=8, pos="rope") | kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# The prefix LM: a prefix read both ways, the rest causally
+
+def test_a_prefix_lm_reads_its_prefix_both_ways_and_the_rest_causally(tiny_model):
+    """Per row P: logits at t >= P - 1 ignore every later token (the first suffix token is predicted
+    at P - 1, which sees the whole prefix); logits before P - 1 do see later prefix tokens."""
+    model = tiny_model(arch="prefix-lm", pos="rope")
+    idx = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(0))
+    P = torch.tensor([6, 13])
+    logits = model(idx, prefix_len=P)[0]
+    for t in range(19):
+        later = idx.clone()
+        later[:, t + 1:] = (later[:, t + 1:] + 7) % V
+        changed = (model(later, prefix_len=P)[0] - logits).abs().amax(-1)  # (B, T)
+        for b in range(2):
+            if t >= P[b] - 1:
+                assert changed[b, :t + 1].max() == 0  # a later token moves nothing at or before t
+            else:  # t inside the prefix, before its end: the prefix's later tokens are seen
+                assert changed[b, t] > 1e-4
+
+
+def test_a_prefix_of_one_is_a_plain_decoder_and_the_loss_counts_the_suffix_only(tiny_model):
+    prefix_lm, decoder = tiny_model(arch="prefix-lm", pos="rope"), tiny_model(pos="rope")
+    decoder.load_state_dict(prefix_lm.state_dict())  # the same parameters: the mask is all that differs
+    idx = torch.randint(0, V, (2, 12))
+    for P in (0, 1):
+        torch.testing.assert_close(prefix_lm(idx, prefix_len=torch.full((2,), P))[0], decoder(idx)[0], rtol=0, atol=0)
+    targets = torch.randint(0, V, (2, 12))
+    P = torch.tensor([4, 9])
+    targets[0, :3], targets[1, :8] = -100, -100  # what data.prefix_batch leaves of the prefix's targets
+    logits, loss = prefix_lm(idx, targets, prefix_len=P)
+    counted = [logits[b, P[b] - 1:] for b in range(2)], [targets[b, P[b] - 1:] for b in range(2)]
+    want = F.cross_entropy(torch.cat(counted[0]), torch.cat(counted[1]))
+    torch.testing.assert_close(loss, want)

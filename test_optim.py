@@ -1,10 +1,13 @@
 """optim.py: Muon's orthogonalisation lands every singular value near 1, batched as one at a time;
 MuonAdamW puts the blocks' matrices on Muon and every other parameter on AdamW, once each; its
 momentum warms up; a run with --optimizer=muon learns and resumes exactly, its checkpoints loading
-with weights_only=True; --max_time fits a run's length to its budget, which a resume keeps. (The
-schedule and AdamW's runs: test_train.py.)"""
+with weights_only=True; --max_time fits a run's length to its budget, which a resume keeps; the
+schedules (cosine as before, linear, WSD) end at min_lr, WSD's rates do not depend on the length
+before its decay, whose start freezes a --max_time run's length, and a resume continues the same
+rates. (AdamW's runs and the schedule in a run: test_train.py.)"""
 
 import copy
+import math
 import dataclasses
 import re
 import shutil
@@ -172,3 +175,153 @@ def test_a_budget_too_short_for_the_first_iterations_is_one_line(workdir, refusa
             "max_time=1s is too short", "give it more time", cwd=d)
     refusal(train.main, ["--dataset=verse", "--out_dir=out-short2", "--max_time=soon", *tiny_args],
             "max_time='soon' is not a duration", cwd=d)
+
+
+# ----------------------------------------------------------------------------------------------
+# The schedules: --schedule=cosine|linear|wsd
+
+def schedule(kind, **kw):
+    """A config of the schedule kind: a peak of 1 (the factor is the rate), min_lr 0.1, warmup 10."""
+    return train.TrainConfig(schedule=kind, learning_rate=1.0, min_lr=0.1, warmup_iters=10, **kw)
+
+
+def cosine_as_it_was(it, cfg):  # lr_factor before the schedules had a choice
+    if not cfg.decay_lr:
+        return 1.0
+    if it < cfg.warmup_iters:
+        return (it + 1) / (cfg.warmup_iters + 1)
+    low = cfg.min_lr / cfg.learning_rate if cfg.learning_rate else 1.0
+    if it > cfg.lr_decay_iters:
+        return low
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return low + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - low)
+
+
+def test_cosine_stays_the_default_and_is_unchanged_bit_for_bit():
+    assert train.TrainConfig().schedule == "cosine"
+    for kw in (dict(), dict(warmup_iters=0, lr_decay_iters=7), dict(warmup_iters=50, lr_decay_iters=50),
+               dict(min_lr=0.0, learning_rate=3e-4), dict(learning_rate=0.0), dict(decay_lr=False)):
+        cfg = train.TrainConfig(**dict(dict(warmup_iters=10, lr_decay_iters=110), **kw))
+        assert [optim.lr_factor(i, cfg) for i in range(200)] == [cosine_as_it_was(i, cfg) for i in range(200)]
+
+
+@pytest.mark.parametrize("kind, decay_frac", [("cosine", 0.2), ("linear", 0.2), ("wsd", 0.2), ("wsd", 1.0),
+                                              ("wsd", 0.001)])
+def test_every_schedule_ends_at_min_lr_at_lr_decay_iters_and_after(kind, decay_frac):
+    cfg = schedule(kind, lr_decay_iters=110, decay_frac=decay_frac)  # wsd 0.001: a decay of 0.11 iterations
+    assert [optim.lr_factor(i, cfg) for i in range(110, 160)] == [0.1] * 50
+    assert optim.lr_factor(10, cfg) == 1.0 and optim.lr_factor(109, cfg) > 0.1  # the peak after the warmup
+
+
+def test_linear_falls_by_equal_steps_from_the_peak_and_never_rises():
+    cfg = schedule("linear", lr_decay_iters=110)
+    f = [optim.lr_factor(i, cfg) for i in range(200)]
+    assert f[:10] == [(i + 1) / 11 for i in range(10)]  # the same warmup
+    assert [a - b for a, b in zip(f[10:110], f[11:111])] == pytest.approx([0.9 / 100] * 100)
+    assert all(a >= b for a, b in zip(f[10:], f[11:])) and f[60] == pytest.approx(0.55)
+
+
+def test_wsd_is_flat_at_the_peak_then_linear_over_the_last_decay_frac():
+    cfg = schedule("wsd", lr_decay_iters=1000, decay_frac=0.2)
+    f = [optim.lr_factor(i, cfg) for i in range(1100)]
+    assert optim.decay_start(cfg) == 800 and f[:10] == [(i + 1) / 11 for i in range(10)]
+    assert f[10:801] == [1.0] * 791  # flat at the peak until the last 20%
+    assert [a - b for a, b in zip(f[800:1000], f[801:1001])] == pytest.approx([0.9 / 200] * 200)
+    assert f[900] == pytest.approx(0.55) and f[1000] == 0.1
+    # the whole run's decay: WSD is the linear schedule
+    whole, line = schedule("wsd", lr_decay_iters=1000, decay_frac=1.0), schedule("linear", lr_decay_iters=1000)
+    assert [optim.lr_factor(i, whole) for i in range(1100)] == [optim.lr_factor(i, line) for i in range(1100)]
+
+
+def test_wsd_rates_do_not_depend_on_the_length_before_the_shorter_runs_decay():
+    short, long = (schedule("wsd", lr_decay_iters=n, max_iters=n, decay_frac=0.2) for n in (1000, 1500))
+    assert [optim.lr_factor(i, short) for i in range(801)] == [optim.lr_factor(i, long) for i in range(801)]
+    assert optim.lr_factor(801, short) < optim.lr_factor(801, long) == 1.0
+    for kind in ("cosine", "linear"):  # theirs move as soon as the warmup ends
+        short, long = (schedule(kind, lr_decay_iters=n) for n in (1000, 1500))
+        assert optim.lr_factor(11, short) < optim.lr_factor(11, long)
+
+
+# --max_time under WSD: a fake clock drives Budget as train.py's loop does
+
+def run_on_a_clock(cfg, budget, clock, pace, it=0, until=None):
+    """train.py's loop without the training: each iteration takes pace(it) seconds of clock, an
+    evaluation (every eval_interval) 1 s; the Budget's fits set max_iters and lr_decay_iters. The
+    factor of every step, the fits as (iteration, length before, length after), and the last cfg."""
+    factors, fits = {}, []
+    while True:
+        factors[it] = optim.lr_factor(it, cfg)
+        if it % cfg.eval_interval == 0 or it == cfg.max_iters:
+            clock[0] += 1.0
+            budget.evaluated(it, 1.0)
+        if it >= cfg.max_iters or it == until:
+            return factors, fits, cfg
+        clock[0] += pace(it)
+        it += 1
+        if (n := budget.fit(cfg, it, torch.device("cpu"))) is not None:
+            fits.append((it, cfg.lr_decay_iters, n))
+            cfg = dataclasses.replace(cfg, max_iters=n, lr_decay_iters=n)
+
+
+def slowing(it):  # faster after 300 iterations (the run gets longer), twice as slow after 1400 (in the decay)
+    return 0.05 if it < 300 else 0.04 if it < 1400 else 0.08
+
+
+@pytest.mark.parametrize("kind", ["wsd", "cosine"])
+def test_under_wsd_the_budget_refits_the_length_only_before_the_decay_starts(monkeypatch, kind):
+    clock = [10.0]
+    monkeypatch.setattr(optim.time, "time", lambda: clock[0])
+    cfg = schedule(kind, eval_interval=100, max_time="100s", decay_frac=0.2)
+    factors, fits, cfg = run_on_a_clock(cfg, optim.Budget(100, 0, 0.0), clock, slowing)
+    first, *refits = fits
+    assert refits and refits[0][2] > first[2]  # longer once it runs faster
+    if kind == "cosine":  # today's rule: shorter when it slows down, late in the run too
+        assert refits[-1][0] > 1400 and refits[-1][2] < refits[-1][1]
+        return
+    start = optim.decay_start(cfg)
+    assert start < 1400 and all(it < optim.decay_start(schedule(kind, lr_decay_iters=old, decay_frac=0.2))
+                                for it, old, _ in refits)
+    assert clock[0] > 100  # it slowed down in the decay, which ran whole: the run ended late
+    assert [factors[i] for i in range(10, int(start) + 1)] == [1.0] * (int(start) - 9)  # no refit moved a rate
+
+
+def test_under_wsd_a_refit_never_starts_the_decay_before_now(monkeypatch):
+    """At 300 of 400 iterations (the decay starts at 320), an iteration taking 20 times longer would
+    fit 336 iterations, whose decay would have begun at 268.8: the length becomes 375, whose decay
+    starts now. Once the decay has begun (at 350), neither a faster nor a slower pace moves it."""
+    clock = [10.0]
+    monkeypatch.setattr(optim.time, "time", lambda: clock[0])
+    cfg = schedule("wsd", eval_interval=50, max_time="100s", max_iters=400, lr_decay_iters=400, decay_frac=0.2)
+    for it, pace, want in ((300, 1.0, 375), (350, 1.0, None), (350, 0.01, None)):
+        clock[0] = 10.0
+        budget = optim.Budget(100, 0, 0.0, fitted=True)
+        budget.evaluated(it - 50, 1.0)
+        clock[0] += 50 * pace
+        assert budget.fit(cfg, it, torch.device("cpu")) == want
+    fitted = dataclasses.replace(cfg, max_iters=375, lr_decay_iters=375)
+    assert [optim.lr_factor(i, fitted) for i in range(301)] == [optim.lr_factor(i, cfg) for i in range(301)]
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "wsd"])
+def test_a_resume_continues_the_same_sequence_of_rates(kind):
+    cfg = schedule(kind, lr_decay_iters=500)
+    straight = [optim.lr_factor(i, cfg) for i in range(600)]
+    resumed = train.TrainConfig(**dataclasses.asdict(cfg))  # as a checkpoint keeps it
+    assert [optim.lr_factor(i, resumed) for i in range(250, 600)] == straight[250:]
+
+
+def test_a_resumed_wsd_run_whose_length_was_fitted_continues_the_same_rates(monkeypatch):
+    """A --max_time run under WSD stopped at an evaluation in its decay and resumed, as train.py
+    resumes it (max_iters and lr_decay_iters from the checkpoint's fitted_iters), by a process whose
+    iterations run twice as slow: every rate from there on is the straight run's."""
+    clock = [10.0]
+    monkeypatch.setattr(optim.time, "time", lambda: clock[0])
+    cfg = schedule("wsd", eval_interval=100, max_time="100s", decay_frac=0.2)
+    straight, fits, fitted = run_on_a_clock(cfg, optim.Budget(100, 0, 0.0), clock, slowing)
+    k = math.ceil(optim.decay_start(fitted) / 100) * 100  # the first evaluation in the decay
+    clock[0] = 10.0
+    resumed_cfg = dataclasses.replace(cfg, max_iters=fitted.max_iters, lr_decay_iters=fitted.lr_decay_iters)
+    resumed, refits, last = run_on_a_clock(resumed_cfg, optim.Budget(100, k, 0.0, fitted=True), clock,
+                                           lambda it: 0.1, it=k)
+    assert len(fits) > 1 and not refits and last.max_iters == fitted.max_iters
+    assert resumed == {i: straight[i] for i in range(k, fitted.max_iters + 1)}

@@ -275,3 +275,23 @@ def test_sample_keeps_the_traceback_of_a_value_error_that_a_bug_raises(target_an
     code, _, err = run(sys.executable, "-c", broken, "--out_dir=out-target", "--max_new_tokens=3", cwd=target_and_draft,
                        env={"PYTHONPATH": os.path.dirname(os.path.abspath(sample.__file__))})
     assert code == 1 and "Traceback" in err and err.strip().endswith("ValueError: a bug"), err
+
+
+def test_a_bart_run_writes_the_whole_text_that_generate_gives_for_the_masked_source(
+        workdir, in_process, capsys, tiny_args, monkeypatch):
+    d, _ = workdir
+    assert in_process(train.main, ["--dataset=verse", "--out_dir=out-bart", "--arch=encoder-decoder", "--objective=bart",
+                                   "--max_iters=2", "--eval_interval=2", *tiny_args], cwd=d) == 0
+    model, tok, ckpt = checkpoint.load_model(str(d / "out-bart"), torch.device("cpu"))
+    mask, start = ckpt["tokens"]["mask"], ckpt["tokens"]["start"]
+    capsys.readouterr()
+    args = ["--out_dir=out-bart", "--max_new_tokens=12", "--temperature=0"]
+    assert in_process(sample.main, [*args, "--start=LEAR: [MASK] bl[MASK]"], cwd=d) == 0
+    src = torch.tensor([tok.encode("LEAR: ") + [mask] + tok.encode(" bl") + [mask]])  # each [MASK] one mask token
+    out = generate(model, torch.tensor([[start]]), 12, temperature=0, src=src, vocab_limit=tok.vocab_size)
+    assert capsys.readouterr().out == tok.decode(out[0, 1:].tolist()) + SEP  # the whole text, from the start token
+    # it stops once it has written the prompt's end, at the prompt's length or more
+    written = iter(tok.encode("LEAR: bl blood, and sweet"))
+    monkeypatch.setattr(sample, "generate_tokens", lambda *a, **k: (torch.tensor([[t]]) for t in written))
+    assert in_process(sample.main, [*args, "--start=LEAR: b[MASK]d[MASK], and"], cwd=d) == 0
+    assert capsys.readouterr().out == "LEAR: bl blood, and" + SEP

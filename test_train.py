@@ -27,7 +27,7 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 # each architecture with some of its options: the runs of test_each_architecture_trains_and_samples,
 # which test_resuming_halfway_gives_bit_identical_losses_and_weights resumes halfway
 ARCHS = {"decoder": ["--pos=rope", "--n_kv_head=1", "--dropout=0.1"], "encoder": ["--norm_first=False"],
-         "encoder-decoder": ["--pos=relative", "--norm=rmsnorm"]}
+         "encoder-decoder": ["--pos=relative", "--norm=rmsnorm"], "prefix-lm": ["--pos=alibi"]}
 
 
 def arch_args(arch, tiny_args):
@@ -61,13 +61,14 @@ def test_each_architecture_trains_and_samples(workdir, arch_runs, arch, run, los
     assert code == 0, err
     assert len(losses(log)) == 8 and losses(log)[-1] < losses(log)[0]
     assert os.path.exists(d / f"out-{arch}" / "ckpt.pt") and os.path.exists(d / f"out-{arch}" / "best.pt")
-    start = "LEAR: [MASK]ear[MASK] day" if arch != "decoder" else "ROMEO:"
+    continues = arch in ("decoder", "prefix-lm")  # a prompt; else blanks
+    start = "ROMEO:" if continues else "LEAR: [MASK]ear[MASK] day"
     args = [f"--out_dir=out-{arch}", f"--start={start}", "--max_new_tokens=30", "--num_samples=2", "--seed=3"]
     code, text, err = run("sample.py", *args, cwd=d)
     assert code == 0, err
     assert "tokens/s" in err and text.count("---------------") == 2
     first = text.split("\n---------------\n")[0]
-    if arch == "decoder":
+    if continues:
         assert first.startswith("ROMEO:") and len(first) == len("ROMEO:") + 30
     else:  # the blanks are filled and the rest of the prompt kept
         assert re.fullmatch(r"LEAR: .+ear.+ day" if arch == "encoder" else r"LEAR: .*ear.* day", first, re.S)

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kernels
-from checkpoint import load_checkpoint, prepare_out_dir, restore, save_atomic
-from common import UsageError, as_given, check_ranges, parse_settings, usage
-from data import (STREAM, batch_rng, check_data, eval_rng, get_batch, load_data, new_model_config, special_tokens,
+from checkpoint import load_checkpoint, model_config_of, prepare_out_dir, restore, save_atomic
+from common import UsageError, check_ranges, parse_settings, usage
+from data import (STREAM, batch_rng, check_data, eval_rng, get_batch, load_data, sentence_ends, special_tokens,
                   stream_batch)
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, sync
 from distributed import (all_ranks, context_group, context_line, context_shard, finite, fully_shard, memory_line, shard,
@@ -64,8 +64,10 @@ class TrainConfig:
     muon_lr: float = 0.02  # Muon's peak: the schedule scales it as it scales learning_rate
     muon_momentum: float = 0.95  # ...warming up from 0.85 over its first 300 steps
     grad_clip: float = 1.0  # 0 = off
-    # learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
+    # learning rate: linear warmup, then a decay to min_lr at lr_decay_iters
     decay_lr: bool = True
+    schedule: str = "cosine"  # the decay: "cosine", "linear", or "wsd" (warmup, flat, then linear over decay_frac)
+    decay_frac: float = 0.2  # wsd: the last part of the run (of lr_decay_iters) that decays
     warmup_iters: int = 100
     lr_decay_iters: int = 5000
     min_lr: float = 6e-5
@@ -82,7 +84,8 @@ class TrainConfig:
     wandb_project: str = "nanoformer"
     wandb_run_name: str = ""  # "" = a name wandb makes up
     max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss
-    # objectives of the encoder (masked LM) and the encoder-decoder (span corruption)
+    # objectives of the encoder (masked LM) and the encoder-decoder ("span": T5's span corruption, or "bart")
+    objective: str = "span"  # an encoder-decoder's: "span", or "bart" (text infilling and sentence permutation)
     mask_prob: float = 0.15
     noise_density: float = 0.15
     mean_span: float = 3.0
@@ -98,12 +101,12 @@ class TrainConfig:
 
 # the values each setting may take, beyond its type (grad_clip=0: no clipping)
 TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), optimizer=("adamw", "muon"), muon_lr="[0, inf)",
+                    schedule=("cosine", "linear", "wsd"), decay_frac="(0, 1]", objective=("span", "bart"),
                     muon_momentum="[0, 1)", batch_size="[1, inf)", gradient_accumulation_steps="[1, inf)",
                     eval_interval="[1, inf)", eval_iters="[1, inf)", log_interval="[1, inf)", max_bad_steps="[1, inf)",
                     max_iters="[0, inf)", warmup_iters="[0, inf)", lr_decay_iters="[0, inf)", learning_rate="[0, inf)",
                     min_lr="[0, inf)", weight_decay="[0, inf)", grad_clip="[0, inf)", mean_span="[1, inf)",
                     seed="[0, inf)", context_parallel="[1, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]", noise_density="(0, 1)")
-RUN_TIME = ("attn_impl", "dropout")  # model settings that a resumed run may change
 MASTER = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 logs and writes
 EVAL_NOTICE_S = 5  # an evaluation expected to take longer than this (seconds) says so early on
 STOP = []  # the signals received (SIGINT, SIGTERM): the run saves and stops at the next iteration
@@ -134,41 +137,6 @@ def stopping(device, agree=True):
 # ----------------------------------------------------------------------------------------------
 # Setting up: the out_dir, the data, the model
 
-def model_config_of(cfg, model_args, meta, ckpt):
-    """The model's settings: from the command line for a new run; else from the checkpoint to
-    resume, or the pretrained model to finetune, where only RUN_TIME settings may change (and a
-    pretrained model's block_size may shrink: its position table is cropped)."""
-    source = checkpoint_paths(cfg.out_dir)[0] if cfg.init_from == "resume" else cfg.init_from
-    if ckpt is None:
-        return new_model_config(model_args, meta["vocab_size"])
-    try:
-        config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
-        may_shrink = cfg.init_from != "resume" and model_args.get("block_size", 0) <= config.block_size
-        may_change = RUN_TIME + ("block_size",) if may_shrink else RUN_TIME
-        config = replace(config, **{k: v for k, v in model_args.items() if k in may_change})
-    except ValueError as e:
-        raise UsageError(f"bad model settings: {e}") from None
-    saved = asdict(config)
-    for k, want in model_args.items():  # from the command line or the config file
-        if saved[k] != want:
-            raise UsageError(f"{as_given(k, want)} does not match {source}'s {k}={saved[k]!r}: set --{k}={saved[k]!r} "
-                             "or drop it, or train a new model (--init_from=scratch) in another --out_dir")
-    if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab", "tokenizer_json")):
-        if cfg.init_from != "resume":
-            raise UsageError(f"dataset {cfg.dataset!r} was not prepared with {source}'s tokenizer: prepare it with "
-                             f"python prepare.py text --input=... --tokenizer={ckpt['path']}")
-        raise UsageError(f"{source} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
-                         f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with "
-                         f"--dataset={ckpt['train_config']['dataset']}")
-    # as in nanoGPT, training settings come from the command line and config file, not the
-    # checkpoint: say which differ, so that a resume without the run's config file is noticed
-    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in ckpt.get("train_config", {}).items()
-               if k not in ("init_from", "out_dir") and hasattr(cfg, k) and getattr(cfg, k) != v]
-    if changed:
-        log("resuming with training settings changed from the checkpoint's: " + ", ".join(changed))
-    return config
-
-
 def check_fits(config, cfg, data, device, tokens, ddp):
     """Settings of the right kinds that still cannot train together, refused before any work."""
     n, world = cfg.context_parallel, int(os.environ.get("WORLD_SIZE", 1))
@@ -181,16 +149,16 @@ def check_fits(config, cfg, data, device, tokens, ddp):
              "the processes torchrun starts, under DDP: run torchrun with a multiple of n processes, without --fsdp"),
             (n > 1 and config.block_size % n, f"--context_parallel={n}: block_size={config.block_size} must be a "
              "multiple of it, so that every rank holds as many positions"),
-            (n > 1 and (config.arch == "encoder-decoder" or config.window or config.pos in ("alibi", "relative") or
-                        config.attention != "softmax" or config.mem_len), "--context_parallel: ring attention is "
-             "exact softmax attention of a decoder or an encoder, with no window, score bias or memory"),
+            (n > 1 and (config.arch in ("encoder-decoder", "prefix-lm") or config.window or config.pos in ("alibi",
+             "relative") or config.attention != "softmax" or config.mem_len), "--context_parallel: ring attention is "
+             "exact softmax attention of a decoder or an encoder, with no window, score bias, prefix or memory"),
             (config.mem_len and ddp, "mem_len (Transformer-XL) trains in one process here: the memory of each "
              "rank's rows would have to be gathered to be saved; leave out torchrun, or set mem_len=0"),
             (config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET,
              "attn_impl='triton' runs on CUDA GPUs: use --attn_impl=auto (torch's SDPA here)")]:
         if wrong:
             raise UsageError(problem)
-    check_data(config, data, cfg.dataset, tokens, cfg.noise_density, cfg.mean_span)
+    check_data(config, data, cfg.dataset, tokens, cfg.noise_density, cfg.mean_span, cfg.objective)
 
 
 @dataclass
@@ -217,7 +185,7 @@ def batch(run, split, gen, segment):
     c, cfg = run.raw_model.config, run.cfg
     b = stream_batch(run.data[split], cfg.batch_size, c.block_size, gen, segment) if c.mem_len else \
         get_batch(run.data[split], c.arch, cfg.batch_size, c.block_size, gen, run.tokens, run.meta["vocab_size"],
-                  cfg.mask_prob, cfg.noise_density, cfg.mean_span)
+                  cfg.mask_prob, cfg.noise_density, cfg.mean_span, cfg.objective)
     if run.device.type == "cuda":  # pinned memory lets the copy overlap with compute (if contiguous)
         b = {k: v.contiguous().pin_memory().to(run.device, non_blocking=True) for k, v in b.items()}
     b = {k: v.to(run.device) for k, v in b.items()}
@@ -365,8 +333,11 @@ def train(cfg, model_args, held, given=()):
         import hf  # safetensors and the name maps, only for a pretrained model
         model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"))
         ckpt["model"] = model.state_dict()
-    config = model_config_of(cfg, model_args, meta, ckpt)
-    tokens = ckpt["tokens"] if ckpt else special_tokens(meta["vocab_size"])  # the objectives' own tokens
+    config, changed = model_config_of(cfg, model_args, meta, ckpt, checkpoint_paths(cfg.out_dir)[0])
+    if changed:  # as in nanoGPT the training settings come from the command line: say which differ
+        log("resuming with training settings changed from the checkpoint's: " + ", ".join(changed))
+    # the objectives' own tokens: a mask, a decoder start, sentinels, (BART) the ends of sentences it permutes
+    tokens = ckpt["tokens"] if ckpt else special_tokens(meta["vocab_size"]) | sentence_ends(meta, cfg.objective)
     check_fits(config, cfg, data, device, tokens, ddp)
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
         dist.init_process_group(backend=cfg.backend if cfg.backend != "auto" else
