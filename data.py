@@ -1,6 +1,7 @@
 """
 Datasets that prepare.py made, and the training batches of each architecture's objective:
-next-token prediction (decoder), masked LM (encoder), T5's span corruption (encoder-decoder).
+next-token prediction (decoder; a prefix LM's suffix), masked LM (encoder), T5's span corruption or
+BART's denoising (encoder-decoder), and Transformer-XL's streams.
 """
 
 import json
@@ -82,6 +83,7 @@ def sentence_ends(meta, objective):
     tok = Tokenizer(meta)
     return {"sentence_end": [ids[0] for c in ".!?" if len(ids := tok.encode(c)) == 1]}
 
+
 def batch_rng(*key):
     """A generator seeded by key = (seed, iteration, micro-step): every training batch is a function
     of where it falls in the run, so resuming needs no saved data state, and the global batch is
@@ -154,6 +156,7 @@ def prefix_batch(x, gen):
     P = torch.randint(1, idx.size(1), (idx.size(0),), generator=gen)  # (B,)
     before = torch.arange(idx.size(1)) < (P - 1)[:, None]  # targets of the prefix itself: no loss
     return dict(idx=idx, targets=targets.masked_fill(before, -100), prefix_len=P)
+
 
 def mask_tokens(x, gen, tokens, data_vocab, p=0.15):
     """BERT's masked LM: choose p of the tokens to predict (at least one per row); of those 80%

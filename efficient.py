@@ -11,6 +11,7 @@ calls kernels.py.
   ring_attention       exact attention over a sequence split across ranks (Liu et al. 2023)
 """
 
+import functools
 import math
 
 import torch
@@ -19,6 +20,17 @@ import torch.distributed as dist
 from torch.nn.functional import elu, logsigmoid, normalize, pad, scaled_dot_product_attention
 
 
+def in_fp32(attend):
+    """attend(q, ...) with autocast off: its sums, exponents and states are meant in fp32, and autocast
+    would run its products in bf16 even on fp32 tensors."""
+    @functools.wraps(attend)
+    def wrapper(q, *args, **kwargs):
+        with torch.autocast(q.device.type, enabled=False):
+            return attend(q, *args, **kwargs)
+    return wrapper
+
+
+@in_fp32
 def linear_attention(q, k, v, causal, valid=None, state=None, chunk=64):
     """Linear attention (Katharopoulos et al. 2020): exp(q·k) becomes phi(q)·phi(k), phi = elu + 1 > 0,
     so the sum over keys regroups: y_i = phi(q_i) S / phi(q_i)·z with S = Σ_j phi(k_j) v_jᵀ (hs x hs)
@@ -91,12 +103,13 @@ def feature_exponents(x, proj):
     return x @ proj.mT - x.square().sum(-1, keepdim=True) / 2 - math.log(proj.size(0)) / 2
 
 
-def normalise(num, den):
+def divide_or_zero(num, den):
     """y_i = Σ_j a_ij v_j / Σ_j a_ij. The sum is 0 only when every weight is (no valid key yet, or all
     underflowed): then so is the numerator, and 0 / 1 gives 0 and a finite gradient, where 0 / 0 gives nan."""
     return num / torch.where(den > 0, den, 1)
 
 
+@in_fp32
 def performer_attention(q, k, v, proj, causal, valid=None, state=None, chunk=64):
     """Performer attention (Choromanski et al. 2021, FAVOR+): softmax attention's weights
     exp(q_i·k_j/√hs) replaced by their unbiased estimate φ(q_i)·φ(k_j) (see feature_exponents), so
@@ -121,7 +134,7 @@ def performer_attention(q, k, v, proj, causal, valid=None, state=None, chunk=64)
     else:  # every query sees every key, so their common max is a common factor and cancels too
         top = ek.amax((-2, -1), keepdim=True).clamp_min(LOWEST).detach()  # (B, nkv, 1, 1); LOWEST if all padding
         fk, v = (ek - top).exp()[:, :, None], v[:, :, None]  # (B, nkv, 1, T, m), (B, nkv, 1, T, hs)
-        y = normalise(fq @ (fk.mT @ v), fq @ fk.sum(-2)[..., None])  # (B, nkv, g, T, hs)
+        y = divide_or_zero(fq @ (fk.mT @ v), fq @ fk.sum(-2)[..., None])  # (B, nkv, g, T, hs)
     return y.flatten(1, 2).to(dtype)  # (B, nh, T, hs)
 
 
@@ -172,7 +185,7 @@ def causal_performer(fq, ek, v, state=None, chunk=64):
     scale = (M_before[..., None] - M).exp()[:, :, None, ..., None]  # (B, nkv, 1, n, C, 1): e^(M_before - M_i) <= 1
     num = num + (fq @ S_before[:, :, None]) * scale
     den = den + (fq @ z_before[:, :, None, ..., None]) * scale
-    return normalise(num, den).flatten(3, 4)[..., :T, :]  # (B, nkv, g, T, hs)
+    return divide_or_zero(num, den).flatten(3, 4)[..., :T, :]  # (B, nkv, g, T, hs)
 
 
 class PerformerState(nn.Module):
@@ -233,6 +246,7 @@ def lsh_windows(x, bucket_size, causal, value=0.0):
     return x.unfold(-2, before + bucket_size + after, bucket_size)
 
 
+@in_fp32
 def lsh_attention(q, v, rotations, bucket_size, causal, valid=None):
     """LSH attention (Kitaev et al. 2020) with shared QK: the keys are the queries' unit vectors,
     k_j = q_j / ‖q_j‖, and s_ij = q_i·k_j / sqrt(hs). In round r, h_r(x) = argmax([xR_r; −xR_r]), the
@@ -462,7 +476,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, group):
-        out, lse = ring_forward(q, k, v, causal, group)
+        with torch.autocast(q.device.type, enabled=False):  # scores and log-sum-exps in fp32, as the backward's
+            out, lse = ring_forward(q, k, v, causal, group)
         ctx.save_for_backward(q, k, v, out, lse)  # all per shard: lse (B, nkv, g, T), no T x T
         ctx.causal, ctx.group = causal, group
         return out.flatten(1, 2).to(q.dtype)  # (B, nh, T, hs)
@@ -470,7 +485,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return *ring_backward(q, k, v, out, lse, dout, ctx.causal, ctx.group), None, None
+        with torch.autocast(q.device.type, enabled=False):
+            return *ring_backward(q, k, v, out, lse, dout, ctx.causal, ctx.group), None, None
 
 
 def ring_attention(q, k, v, causal, group=None):

@@ -236,7 +236,7 @@ SHARED = dict(  # every family's rows, but where FIELDS says otherwise
     **dict.fromkeys("expert_top_k moe_aux_weight rope_theta rope_scaling rel_buckets rel_max_distance n_features "
                     "feature_redraw proj_len bucket_size n_hashes sparse_block".split(), HARMLESS),
     n_expert=Rule(lambda c: not c.n_expert, "no mixture of experts"), n_global=0, mem_len=0, qk_norm=False,
-    logit_softcap=0.0, attention=Rule(lambda c: ATTENTIONS[c.attention].export, "none"), norm_first=True, bias=False,
+    logit_softcap=0.0, attention=Rule(lambda c: ATTENTIONS[c.attention].export, "softmax"), norm_first=True, bias=False,
     lm_head_bias=False, window=0, n_random=0, n_kv_head=Rule(lambda c: c.n_kv_head == c.n_head, "n_kv_head=n_head"))
 GPT2_ROWS = SHARED | dict(arch="decoder", pos="learned", norm="layernorm", mlp="gelu", gelu_approximate=CARRIED,
                           bias=CARRIED, head_size=Rule(lambda c: c.head_size * c.n_head == c.n_embd, "n_embd / n_head"))

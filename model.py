@@ -33,7 +33,8 @@ ATTN_IMPLS = ("auto", "triton", "sdpa", "math")
 
 class Kind(NamedTuple):
     """What an attention kind is. ModelConfig's checks and the refusals of sample.py and hf.py read
-    these facts, so that a new kind is a row of ATTENTIONS and its function in Attention.attend."""
+    these facts, so that a new kind is a row of ATTENTIONS, its function called in Attention.attend,
+    and (where it has any) its projections, draws and decoding state in Attention."""
     causal: bool  # serves a decoder (else an encoder-decoder's decoder keeps softmax attention)
     bidirectional: bool  # serves an encoder
     keeps: str  # while decoding: "kv" (a KV cache, which can forget tokens), "state" (a recurrent state),
@@ -175,8 +176,11 @@ class ModelConfig:
              f"scores, which {a} attention has none of: choose pos='rope', 'learned', 'sinusoidal' or 'none'"),
             ((self.window or self.n_global) and not kind.window, f"{a} attention weighs every key it sees: it has "
              "no window (set window=0), nor global tokens beside one (set n_global=0)"),
-            (self.arch == "prefix-lm" and a != "softmax", f"a prefix LM reads its prefix both ways and the rest "
-             f"causally, in one mask that {a} attention does not take: choose attention='softmax'"),
+            (self.arch == "prefix-lm" and (a != "softmax" or self.window or self.pos == "relative"), "a prefix LM "
+             "reads its prefix both ways and the rest causally, in one mask over whole sequences: with softmax "
+             "attention, no window, and positions other than T5's causal buckets (pos='rope', 'alibi', ...)"),
+            (self.feature_redraw and a != "performer", "feature_redraw draws a performer's random features: set "
+             "attention='performer', or feature_redraw=0"),
             (self.arch == "decoder" and not kind.causal, f"{a} attention mixes later keys into earlier ones, so a "
              "decoder cannot have it: use it in an encoder (or an encoder-decoder's encoder)"),
             (self.arch == "encoder" and not kind.bidirectional, f"{a} attention is causal only: an encoder "
@@ -389,7 +393,7 @@ class Attention(nn.Module):
     kind (ATTENTIONS), whose fixed draws (Performer's features, LSH's rotations, BigBird's blocks)
     are buffers drawn at init from torch's seed and saved with the weights."""
 
-    def __init__(self, config, cross=False, kind="softmax", random_blocks=False):
+    def __init__(self, config, cross=False, kind="softmax", bigbird=False):
         super().__init__()
         self.config, self.cross, self.kind = config, cross, kind
         c, hs = config, config.head_size
@@ -407,7 +411,7 @@ class Attention(nn.Module):
                                         for _ in range(2))
         if kind == "lsh":
             self.register_buffer("rotations", efficient.lsh_rotations(c.n_hashes, hs, c.block_size // c.bucket_size))
-        free = efficient.free_blocks(c.block_size, c.sparse_block, c.window, c.n_global) if random_blocks else None
+        free = efficient.free_blocks(c.block_size, c.sparse_block, c.window, c.n_global) if bigbird else None
         # BigBird's, in an encoder: (nh, blocks, n_random) the key blocks each block of queries sees
         self.register_buffer("random_blocks", None if free is None else efficient.random_blocks(free, c.n_random,
                                                                                                  c.n_head))
@@ -551,11 +555,11 @@ class Block(nn.Module):
     """Self-attention, cross-attention (decoder of an encoder-decoder), feed-forward: each a
     residual branch with its norm."""
 
-    def __init__(self, config, cross=False, kind="softmax", random_blocks=False):
+    def __init__(self, config, cross=False, kind="softmax", bigbird=False):
         super().__init__()
         self.norm_first = config.norm_first
         self.ln_1 = make_norm(config)
-        self.attn = Attention(config, kind=kind, random_blocks=random_blocks)
+        self.attn = Attention(config, kind=kind, bigbird=bigbird)
         self.ln_cross = make_norm(config) if cross else None
         self.cross_attn = Attention(config, cross=True) if cross else None
         self.ln_2 = make_norm(config)
@@ -624,6 +628,9 @@ class Stack(nn.Module):
         window = c.window if slots is None else reach(c)
         name = "decoder" if self.causal else "encoder"
         record = (lambda what: weights.setdefault(f"{name} {what}", [])) if weights is not None else lambda what: None
+        if group is not None and (valid is not None or prefix is not None or self.kind != "softmax" or M):
+            raise ValueError("ring attention (group) takes whole sequences of softmax attention: no padding, "
+                             "prefix, memory or other kind (and no attention dropout)")
         mask = Mask(self.causal, ring=group) if group is not None else \
             self.mask(pos, keys, own, window, valid, slots, record("self-attention"), prefix)
         memory_mask = self.memory_mask(T, memory_valid, x.device, record("cross-attention (to the encoder)")) \
@@ -632,7 +639,8 @@ class Stack(nn.Module):
             if c.pos == "rope" else None
         kept = []  # each layer's input, the next segment's memory: no gradient flows back into it
         for i, block in enumerate(self.h):
-            kept.append(torch.cat((mems[i], x), 1)[:, -c.mem_len:].detach() if mems else x[:, -c.mem_len:].detach())
+            if mems is not None:
+                kept.append((torch.cat((mems[i], x), 1) if mems else x)[:, -c.mem_len:].detach())
             x = block(x, mask, cos_sin, memory, memory_mask, mems[i] if mems else None)
         x = self.ln_f(x) if c.norm_first else x
         return x if mems is None else (x, kept)
@@ -742,6 +750,11 @@ class Transformer(nn.Module):
         B, T = idx.shape
         if input_pos is None:
             self.check_length(T)
+        for wrong, problem in [(prefix_len is not None and c.arch != "prefix-lm", "prefix_len is a prefix LM's"),
+                               (mems is not None and not c.mem_len, "mems need a model with mem_len"),
+                               (mems is not None and mask is not None, "a memory takes no padding (mask)")]:
+            if wrong:
+                raise ValueError(problem)
         pos = torch.arange(T, device=idx.device) if input_pos is None else input_pos
         pos = pos.view(-1, T)  # (B|1, T)
         if c.arch == "encoder":
@@ -770,9 +783,10 @@ class Transformer(nn.Module):
         return self.encoder(self.wte(src), pos, src_mask, weights=weights)
 
     def check_length(self, T):
-        if self.config.pos == "learned" and T > self.config.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}, the "
-                             "end of the learned position table: crop the input")
+        c = self.config  # a table as long as block_size: learned positions, Linformer's projections, BigBird's blocks
+        if (c.pos == "learned" or c.attention == "linformer" or c.n_random) and T > c.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={c.block_size}, the end of the "
+                             "learned position table (or Linformer's projections, BigBird's blocks): crop the input")
 
     def optimizer_groups(self, weight_decay):
         """AdamW's two parameter groups: matrices (weights of Linear and Embedding) decay; biases and

@@ -209,7 +209,7 @@ def continue_text(model, tok, prompt, cfg, device):
         ids.append(t)
         write(text(t))
     write(text(None) + SEP)
-    return Result(cfg.max_new_tokens, [dict(idx=ids)])
+    return Result(cfg.max_new_tokens, [dict(idx=ids, prefix=len(ids) - cfg.max_new_tokens)])  # the prompt's length
 
 
 def continue_batch(model, tok, prompts, cfg, device):
@@ -230,7 +230,7 @@ def continue_batch(model, tok, prompts, cfg, device):
     for line, row, new in zip(lines, rows, out):  # the text after the prompt's, as a streamer shows it
         text = tok.streamer(row)
         write(line + "".join(map(text, new)) + text(None) + SEP)
-    return Result(len(rows) * cfg.max_new_tokens, [dict(idx=row + new) for row, new in zip(rows, out)])
+    return Result(len(rows) * cfg.max_new_tokens, [dict(idx=row + new, prefix=len(row)) for row, new in zip(rows, out)])
 
 
 def load_draft(draft_dir, model, tok, device, quantize="", which="best"):

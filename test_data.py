@@ -1,5 +1,5 @@
-"""Training data (data.py): the batches of the three objectives (next token, masked LM, span
-corruption) and the seed of every batch of a run."""
+"""Training data (data.py): the batches of the objectives (next token, a prefix LM's suffix, masked LM,
+span corruption, BART's denoising), Transformer-XL's streams, and the seed of every batch of a run."""
 
 import math
 

@@ -242,6 +242,8 @@ def dense_lsh(q, v, rotations, bucket_size, causal, valid=None):
 def test_lsh_rotations_are_gaussian_one_per_round():
     R = lsh_rotations(3, 16, 8, generator=torch.Generator().manual_seed(0))
     assert R.shape == (3, 16, 4) and R.dtype == torch.float32
+    many = lsh_rotations(100, 16, 64, generator=torch.Generator().manual_seed(1))  # 51,200 draws of N(0, 1)
+    assert abs(many.mean()) < 5 / 51200 ** 0.5 and abs(many.var() - 1) < 5 * 2 ** 0.5 / 51200 ** 0.5  # 5 sigma
     assert torch.equal(R, lsh_rotations(3, 16, 8, generator=torch.Generator().manual_seed(0)))
 
 

@@ -28,8 +28,10 @@ FFNS = [dict(mlp="gelu", qk_norm=True, logit_softcap=15.0), dict(mlp="swiglu"),
         dict(mlp="relu", n_expert=4, expert_top_k=2), dict(mlp="geglu"), dict(mlp="relu2", n_expert=3, expert_top_k=1)]
 MATRIX = []
 for i, (arch, pos) in enumerate(itertools.product(ARCHS, POSITIONS)):
+    if arch == "prefix-lm" and pos == "relative":  # refused: T5's causal buckets have no two-way half
+        continue
     MATRIX.append(dict(arch=arch, pos=pos, n_kv_head=[4, 2, 1][i % 3], norm_first=i % 2 == 0,
-                       norm=["layernorm", "rmsnorm"][i // 2 % 2], window=[0, 3][i // 3 % 2],
+                       norm=["layernorm", "rmsnorm"][i // 2 % 2], window=0 if arch == "prefix-lm" else [0, 3][i // 3 % 2],
                        **FFNS[i % 5]))
 
 
@@ -621,3 +623,22 @@ def test_a_prefix_of_one_is_a_plain_decoder_and_the_loss_counts_the_suffix_only(
     counted = [logits[b, P[b] - 1:] for b in range(2)], [targets[b, P[b] - 1:] for b in range(2)]
     want = F.cross_entropy(torch.cat(counted[0]), torch.cat(counted[1]))
     torch.testing.assert_close(loss, want)
+
+
+@pytest.mark.parametrize("kw, words", [(dict(arch="prefix-lm", window=4), "no window"),
+                                       (dict(arch="prefix-lm", pos="relative"), "T5's causal buckets"),
+                                       (dict(feature_redraw=10), "feature_redraw draws a performer's")])
+def test_settings_a_prefix_lm_or_the_performer_cannot_take_are_refused(kw, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        ModelConfig(**kw)
+
+
+def test_a_forward_pass_refuses_what_its_model_does_not_take(tiny_model):
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="prefix_len is a prefix LM's"):
+        tiny_model()(idx, prefix_len=torch.tensor([2]))
+    with pytest.raises(ValueError, match="mems need a model with mem_len"):
+        tiny_model()(idx, mems=[torch.zeros(1, 4, 32)] * 2)
+    xl = tiny_model(pos="rope", mem_len=4)
+    with pytest.raises(ValueError, match="a memory takes no padding"):
+        xl(idx, mems=xl(idx, return_mems=True)[2], mask=torch.ones(1, 4, dtype=torch.bool))

@@ -149,9 +149,12 @@ def check_fits(config, cfg, data, device, tokens, ddp):
              "the processes torchrun starts, under DDP: run torchrun with a multiple of n processes, without --fsdp"),
             (n > 1 and config.block_size % n, f"--context_parallel={n}: block_size={config.block_size} must be a "
              "multiple of it, so that every rank holds as many positions"),
-            (n > 1 and (config.arch in ("encoder-decoder", "prefix-lm") or config.window or config.pos in ("alibi",
-             "relative") or config.attention != "softmax" or config.mem_len), "--context_parallel: ring attention is "
-             "exact softmax attention of a decoder or an encoder, with no window, score bias, prefix or memory"),
+            (n > 1 and (config.arch != "decoder" or config.window or config.pos in ("alibi", "relative") or
+                        config.attention != "softmax" or config.mem_len), "--context_parallel: ring attention is "
+             "exact softmax attention of a decoder (whose shards count equal tokens in the loss), with no window, "
+             "score bias or memory"),
+            (cfg.objective == "bart" and config.arch != "encoder-decoder", "--objective=bart trains an encoder-decoder "
+             "to denoise: set --arch=encoder-decoder, or leave out --objective"),
             (config.mem_len and ddp, "mem_len (Transformer-XL) trains in one process here: the memory of each "
              "rank's rows would have to be gathered to be saved; leave out torchrun, or set mem_len=0"),
             (config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET,
@@ -186,9 +189,8 @@ def batch(run, split, gen, segment):
     b = stream_batch(run.data[split], cfg.batch_size, c.block_size, gen, segment) if c.mem_len else \
         get_batch(run.data[split], c.arch, cfg.batch_size, c.block_size, gen, run.tokens, run.meta["vocab_size"],
                   cfg.mask_prob, cfg.noise_density, cfg.mean_span, cfg.objective)
-    if run.device.type == "cuda":  # pinned memory lets the copy overlap with compute (if contiguous)
-        b = {k: v.contiguous().pin_memory().to(run.device, non_blocking=True) for k, v in b.items()}
-    b = {k: v.to(run.device) for k, v in b.items()}
+    pinned = run.device.type == "cuda"  # pinned memory lets the copy overlap with compute (if contiguous)
+    b = {k: (v.contiguous().pin_memory() if pinned else v).to(run.device, non_blocking=pinned) for k, v in b.items()}
     return b if run.group is None else context_shard(b, run.rank, cfg.context_parallel, run.group)  # its shard
 
 
@@ -306,7 +308,8 @@ def train(cfg, model_args, held, given=()):
         torch.cuda.set_device(device)
     if cfg.gradient_accumulation_steps % max(1, world // cfg.context_parallel):
         raise UsageError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
-                         f"the {world} processes' data-parallel groups: make it a multiple of {world}")
+                         f"the {world} processes' data-parallel groups: make it a multiple of "
+                         f"{max(1, world // cfg.context_parallel)}")
     dtype = pick_dtype(cfg.dtype, device)
     if device.type == "cuda":  # fp32 products on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -337,7 +340,7 @@ def train(cfg, model_args, held, given=()):
     if changed:  # as in nanoGPT the training settings come from the command line: say which differ
         log("resuming with training settings changed from the checkpoint's: " + ", ".join(changed))
     # the objectives' own tokens: a mask, a decoder start, sentinels, (BART) the ends of sentences it permutes
-    tokens = ckpt["tokens"] if ckpt else special_tokens(meta["vocab_size"]) | sentence_ends(meta, cfg.objective)
+    tokens = (ckpt["tokens"] if ckpt else special_tokens(meta["vocab_size"])) | sentence_ends(meta, cfg.objective)
     check_fits(config, cfg, data, device, tokens, ddp)
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
         dist.init_process_group(backend=cfg.backend if cfg.backend != "auto" else
