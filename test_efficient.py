@@ -586,6 +586,23 @@ def test_causal_performer_stays_exact_when_keys_lie_far_below_the_max():
     torch.testing.assert_close(performer_attention(q, k, v, proj, True, chunk=8), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("attend", ["linear", "performer", "lsh"])
+def test_the_fp32_methods_compute_in_fp32_under_bf16_autocast(attend):
+    """Their sums, exponents and states are meant in fp32: autocast, which would run their products in
+    bf16 even on fp32 tensors, is off inside them, so the output under it is the fp32 one exactly."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 24, 8), torch.randn(2, 4, 24, 8), torch.randn(2, 4, 24, 8)
+    run = {"linear": lambda: linear_attention(q, k, v, True),
+           "performer": lambda: performer_attention(q, k, v, random_features(16, 8), True),
+           "lsh": lambda: lsh_attention(q, v, lsh_rotations(2, 8, 4, torch.Generator().manual_seed(0)), 4, True)}[attend]
+    torch.manual_seed(1)
+    want = run()
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_performers_recurrent_form_is_its_parallel_form():
     """Tokens fed one at a time, or a few, through a PerformerState give what one pass over all gives."""
     torch.manual_seed(4)

@@ -30,9 +30,9 @@ MATRIX = []
 for i, (arch, pos) in enumerate(itertools.product(ARCHS, POSITIONS)):
     if arch == "prefix-lm" and pos == "relative":  # refused: T5's causal buckets have no two-way half
         continue
+    window = 0 if arch == "prefix-lm" else [0, 3][i // 3 % 2]  # a prefix LM has none
     MATRIX.append(dict(arch=arch, pos=pos, n_kv_head=[4, 2, 1][i % 3], norm_first=i % 2 == 0,
-                       norm=["layernorm", "rmsnorm"][i // 2 % 2], window=0 if arch == "prefix-lm" else [0, 3][i // 3 % 2],
-                       **FFNS[i % 5]))
+                       norm=["layernorm", "rmsnorm"][i // 2 % 2], window=window, **FFNS[i % 5]))
 
 
 def config_id(kw):
