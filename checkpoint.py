@@ -16,6 +16,7 @@ from common import UsageError, as_given
 from device import set_rng_state
 from distributed import load_optimizer_state
 from data import new_model_config
+from lora import merged_state
 from model import ModelConfig, Transformer
 from quantize import decode_layout, quantize_int8
 from tokenizer import Tokenizer
@@ -149,7 +150,10 @@ def load_run(out_dir, which="best"):
     other = "latest" if which == "best" else "best"
     ckpt = load_checkpoint(path[which], f"try --ckpt={other}" if os.path.exists(path[other]) else None)
     model = Transformer(ModelConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
+    train_config = ckpt["train_config"] or {}
+    lora = train_config.get("lora_rank", 0)  # a LoRA run samples (and exports) with its updates merged
+    state = merged_state(ckpt["model"], train_config["lora_alpha"] / lora) if lora else ckpt["model"]
+    model.load_state_dict(state)
     ckpt["path"] = path[which]
     return model, ckpt
 

@@ -142,7 +142,7 @@ def make_optimizer(model, cfg, fused):
     groups = [g | dict(base_lr=cfg.learning_rate) for g in model.optimizer_groups(cfg.weight_decay)]
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
-    blocks = {id(p) for name, p in model.named_parameters() if ".h." in name and p.dim() == 2}
+    blocks = {id(p) for name, p in model.named_parameters() if ".h." in name and p.dim() == 2 and p.requires_grad}
     groups = [g | dict(params=[p for p in g["params"] if id(p) not in blocks]) for g in groups]
     groups.append(dict(params=[p for p in model.parameters() if id(p) in blocks], muon=True, base_lr=cfg.muon_lr,
                        lr=cfg.muon_lr, weight_decay=cfg.weight_decay))

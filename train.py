@@ -42,6 +42,7 @@ from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state
 from distributed import (all_ranks, context_group, context_line, context_shard, finite, fully_shard, memory_line, shard,
                          sharded, state_dicts)
 from model import ModelConfig, Transformer
+from lora import add_lora, lora_line
 from optim import Budget, Skips, budget_seconds, lr_factor, make_optimizer, optimizer_step
 from report import Report, hms
 
@@ -64,6 +65,11 @@ class TrainConfig:
     muon_lr: float = 0.02  # Muon's peak: the schedule scales it as it scales learning_rate
     muon_momentum: float = 0.95  # ...warming up from 0.85 over its first 300 steps
     grad_clip: float = 1.0  # 0 = off
+    # LoRA (Hu et al. 2021): train only a low-rank update beside these Linear layers, the rest frozen
+    lora_rank: int = 0  # r; 0 = off: every weight trains
+    lora_alpha: float = 16.0  # the update is scaled by alpha / r
+    lora_dropout: float = 0.0
+    lora_targets: str = "c_attn"  # the adapted layers, by name, comma-separated: c_attn (q, k, v), c_proj, c_fc...
     # learning rate: linear warmup, then a decay to min_lr at lr_decay_iters
     decay_lr: bool = True
     schedule: str = "cosine"  # the decay: "cosine", "linear", or "wsd" (warmup, flat, then linear over decay_frac)
@@ -102,11 +108,13 @@ class TrainConfig:
 # the values each setting may take, beyond its type (grad_clip=0: no clipping)
 TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), optimizer=("adamw", "muon"), muon_lr="[0, inf)",
                     schedule=("cosine", "linear", "wsd"), decay_frac="(0, 1]", objective=("span", "bart"),
+                    lora_rank="[0, inf)", lora_alpha="(0, inf)", lora_dropout="[0, 1)",
                     muon_momentum="[0, 1)", batch_size="[1, inf)", gradient_accumulation_steps="[1, inf)",
                     eval_interval="[1, inf)", eval_iters="[1, inf)", log_interval="[1, inf)", max_bad_steps="[1, inf)",
                     max_iters="[0, inf)", warmup_iters="[0, inf)", lr_decay_iters="[0, inf)", learning_rate="[0, inf)",
                     min_lr="[0, inf)", weight_decay="[0, inf)", grad_clip="[0, inf)", mean_span="[1, inf)",
-                    seed="[0, inf)", context_parallel="[1, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]", noise_density="(0, 1)")
+                    seed="[0, inf)", context_parallel="[1, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]",
+                    noise_density="(0, 1)")
 MASTER = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 logs and writes
 EVAL_NOTICE_S = 5  # an evaluation expected to take longer than this (seconds) says so early on
 STOP = []  # the signals received (SIGINT, SIGTERM): the run saves and stops at the next iteration
@@ -347,14 +355,7 @@ def train(cfg, model_args, held, given=()):
                                 "nccl" if device.type == "cuda" else "gloo")
     group = context_group(cfg.context_parallel, rank, world) if cfg.context_parallel > 1 else None
 
-    torch.manual_seed(cfg.seed)  # the same weights on every rank: FSDP keeps each rank's slice of them
-    model = Transformer(config).to(device)
-    if rank:  # each rank its own dropout
-        torch.manual_seed(cfg.seed + rank)
-    if ckpt is not None:
-        for k in [k for k in ckpt["model"] if k.endswith("wpe.weight")]:  # a shorter block_size: fewer positions
-            ckpt["model"][k] = ckpt["model"][k][: config.block_size]
-        model.load_state_dict(ckpt["model"])  # whole, before FSDP slices it
+    model = build_model(cfg, config, ckpt, device, rank)
     if cfg.fsdp:  # before the optimizer, which steps on the slices
         shard(model, device, dtype)
     optimizer = make_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
@@ -379,6 +380,27 @@ def train(cfg, model_args, held, given=()):
     return loop(run, it, progress, dtype)
 
 
+def build_model(cfg, config, ckpt, device, rank):
+    """The model: its weights drawn from the seed, the same on every rank (FSDP keeps each rank's slice
+    of them), or the checkpoint's; with --lora_rank, LoRA's adapters beside the chosen layers, every
+    other weight frozen. Each rank then draws its own dropout."""
+    torch.manual_seed(cfg.seed)
+    model = Transformer(config).to(device)
+    try:  # LoRA before the checkpoint's weights: a resumed LoRA run holds its adapters
+        add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets.split(","))) \
+            if cfg.lora_rank else None
+    except ValueError as e:  # no layer of that name
+        raise UsageError(f"--lora_targets={cfg.lora_targets}: {e}") from None
+    if rank:
+        torch.manual_seed(cfg.seed + rank)
+    if ckpt is not None:
+        for k in [k for k in ckpt["model"] if k.endswith("wpe.weight")]:  # a shorter block_size: fewer positions
+            ckpt["model"][k] = ckpt["model"][k][: config.block_size]
+        missing = model.load_state_dict(ckpt["model"], strict=not cfg.lora_rank).missing_keys  # whole, before FSDP
+        assert all(k.endswith((".lora_A", ".lora_B")) for k in missing), missing  # only new adapters start afresh
+    return model
+
+
 def kept(path, saved_at):
     return "no checkpoint was written" if saved_at is None else f"{path} keeps iteration {saved_at}"
 
@@ -398,6 +420,8 @@ def start_line(run, dtype):
         log(memory_line(run.optimizer, run.world))
     if run.group is not None:
         log(context_line(c, run.cfg.context_parallel, run.cfg.batch_size, dtype))
+    if run.cfg.lora_rank:
+        log(lora_line(run.raw_model))
     return tokens_per_iter, lambda dt: flops_per_iter / dt / peak if peak else None
 
 

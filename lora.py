@@ -1,0 +1,75 @@
+"""
+LoRA (Hu et al. 2021): finetune a model through a low-rank update beside each adapted Linear layer,
+W x + (alpha / r) B A x, with A (r, in) and B (out, r) the only weights that train. B starts at zero,
+so the first step's model is the base model exactly; the optimizer holds r (in + out) numbers a
+layer instead of in x out. The adapted layers keep their weight's and bias's names, so a checkpoint
+holds the base weights as they were, beside lora_A and lora_B; merged, it is a plain model again.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LoRALinear(nn.Linear):
+    """A Linear layer with a LoRA update: y = x Wᵀ + b + (alpha / r) dropout(x) Aᵀ Bᵀ, W and b frozen."""
+
+    def __init__(self, base, rank, alpha, dropout=0.0):
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight, self.bias = base.weight, base.bias  # the base's own tensors: their names stay
+        self.scaling = alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and peft) draw their weights
+        self.lora_dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        update = self.lora_dropout(x) @ self.lora_A.mT.to(x.dtype) @ self.lora_B.mT.to(x.dtype)
+        return F.linear(x, self.weight, self.bias) + self.scaling * update
+
+    def delta(self):
+        """ΔW = (alpha / r) B A, (out, in): what merging adds to the weight."""
+        return self.scaling * (self.lora_B @ self.lora_A)
+
+
+def add_lora(model, rank, alpha, dropout=0.0, targets=("c_attn",)):
+    """Adapt every Linear layer of model whose name ends in one of targets (GPT-2's c_attn: the
+    attention's q, k and v, peft's default for GPT-2) with a LoRA update of this rank, and freeze
+    every other parameter. Returns the adapted layers' names."""
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    named = [(name, m) for name, m in linears if name.rsplit(".", 1)[-1] in targets]
+    if not named:
+        have = sorted({name.rsplit(".", 1)[-1] for name, _ in linears})
+        raise ValueError(f"no Linear layer is named {', '.join(targets)}: choose lora_targets among {', '.join(have)}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, m in named:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, LoRALinear(m, rank, alpha, dropout))
+    return [name for name, _ in named]
+
+
+@torch.no_grad()
+def merged_state(state, scaling):
+    """A checkpoint's state dict with each LoRA update added into its weight, W + scaling B A, and
+    lora_A, lora_B dropped: the plain model's state."""
+    out = {k: v for k, v in state.items() if not k.endswith((".lora_A", ".lora_B"))}
+    for k in [k for k in state if k.endswith(".lora_A")]:
+        layer = k.removesuffix(".lora_A")
+        w = out[f"{layer}.weight"]
+        update = state[f"{layer}.lora_B"].float() @ state[k].float()  # (out, r) @ (r, in)
+        out[f"{layer}.weight"] = (w.float() + scaling * update).to(w.dtype)
+    return out
+
+
+def lora_line(model):
+    """The start line's account of a LoRA run: what trains, and AdamW's state (two moments in fp32)
+    against a full finetune's."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    layers = sum(isinstance(m, LoRALinear) for m in model.modules())
+    size = lambda n: f"{n / 1e6:.3g} MB" if n >= 1e6 else f"{n / 1e3:.3g} kB"  # noqa: E731
+    return (f"lora: {layers} layers adapted, {trainable:,} of {total:,} parameters train; optimizer state "
+            f"{size(8 * trainable)} (a full finetune's: {size(8 * total)})")
