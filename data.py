@@ -232,7 +232,8 @@ def bart_noise(ids, mask_id, generator, ratio=0.3, poisson=3.0, sentence_end=Non
         raise ValueError(f"spans of mean length poisson={poisson} never cover a token: give a mean above 0")
     lengths = torch.zeros(0, dtype=torch.long)
     while lengths.sum() < n_cover:  # draw until the spans cover n_cover ids
-        lengths = torch.cat((lengths, torch.poisson(torch.full((n_cover,), float(poisson)), generator=generator).long()))
+        drawn = torch.poisson(torch.full((n_cover,), float(poisson)), generator=generator).long()
+        lengths = torch.cat((lengths, drawn))
     k = int(torch.searchsorted(lengths.cumsum(0), n_cover)) + 1 if n_cover else 0  # the draw that gets there
     lengths = lengths[:k]
     if k:

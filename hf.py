@@ -6,13 +6,13 @@ Hugging Face checkpoints in and out.
     save_pretrained(model, "path/to/out")        # transformers' Auto* classes load it: same logits
 
     python hf.py export OUT_DIR HF_DIR           # a run's best.pt (--ckpt=latest: ckpt.pt) -> a Hugging Face directory
+    python hf.py export OUT_DIR HF_DIR --adapter=ADAPTER_DIR   # a LoRA run: the base model, and peft's adapters
 
-Each family is a name map, read once: our parameter -> the Hugging Face tensors it is made of
-(several are concatenated along their first dim: q, k, v into c_attn). The few transformations
-that names cannot say are exact, and noted at each map: GPT-2's transposed Conv1D weights, BERT's
-token type 0 folded into the position table, T5's unscaled attention and v1.0's scaled decoder
-output folded into weights. Anything else is refused with a one-line HFError that names the
-feature and the way out. transformers is never imported here.
+Each family is a name map, read once: our parameter -> the Hugging Face tensors it is made of (several are
+concatenated along their first dim: q, k, v into c_attn). The few transformations that names cannot say are exact,
+and noted at each map: GPT-2's transposed Conv1D weights, BERT's token type 0 folded into the position table, T5's
+unscaled attention and v1.0's scaled decoder output folded into weights. Anything else is refused with a one-line
+HFError that names the feature and the way out. transformers is never imported here.
 """
 
 import difflib
@@ -22,6 +22,7 @@ import os
 import re
 import sys
 from collections import namedtuple
+from functools import partial
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -31,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from checkpoint import describe, load_plain, load_run
 from common import UsageError, check_ranges, parse_settings, usage
 from data import special_tokens
+from lora import save_peft
 from tokenizer import Tokenizer, hf_files, token_names, tokenizer_meta
 from model import ATTENTIONS, ModelConfig, Transformer
 from quantize import Int8Linear
@@ -133,12 +135,13 @@ def hf_names(names, name):
     return [n.format(i=layer[1] if layer else None) + suffix for n in found]
 
 
-def split(t, n, config):
-    """Undo the concatenation of n tensors: q, k, v (k and v smaller under GQA) or equal halves."""
-    if n == 3:
-        q = config.n_head * config.head_size
-        return t.split([q, (len(t) - q) // 2, (len(t) - q) // 2])
-    return t.chunk(n)
+def hf_pieces(family, c, name, t):
+    """Our tensor `name`, t -> {each Hugging Face tensor it is made of: its rows of t (q, k, v, with k and v smaller
+    under GQA, or equal halves), divided by its factor}."""
+    parts, q = hf_names(name_map(family, c), name), c.n_head * c.head_size
+    rows = t.split([q, (len(t) - q) // 2, (len(t) - q) // 2]) if len(parts) == 3 else t.chunk(len(parts))
+    return {n: p if (f := factor(family, n, c, c.tie_embeddings)) == 1 else (p.float() / f).to(p.dtype)
+            for n, p in zip(parts, rows)}
 
 
 def factor(family, hf_name, config, scaled):
@@ -334,6 +337,7 @@ def read_json(path, what):
 def read_tensors(path):
     """Every tensor of the directory's weights: model.safetensors, the shards its index lists, or
     pytorch_model.bin (or its shards), which holds plain tensors or is refused."""
+    read_bin = partial(load_plain, way_out="download it again")  # a file it refuses: a UsageError
     for file, read in (("model.safetensors", load_file), ("pytorch_model.bin", read_bin)):
         if os.path.exists(os.path.join(path, file)):
             return read(os.path.join(path, file))
@@ -343,13 +347,6 @@ def read_tensors(path):
             return {k: v for shard in shards for k, v in read(os.path.join(path, shard)).items()}
     raise HFError(f"{path} holds no model.safetensors, pytorch_model.bin or an index of their shards: "
                   "give a directory that save_pretrained wrote")
-
-
-def read_bin(file):
-    try:
-        return load_plain(file, "download it again")
-    except UsageError as e:
-        raise HFError(str(e)) from None
 
 
 def from_pretrained(path_or_name, device="cpu", dtype=None):
@@ -362,7 +359,10 @@ def from_pretrained(path_or_name, device="cpu", dtype=None):
     except KeyError as e:
         raise HFError(f"{path}/config.json lacks {e.args[0]!r}, which a {hf.get('model_type')} config holds: "
                       "download it again") from None
-    tensors = read_tensors(path)
+    try:
+        tensors = read_tensors(path)
+    except UsageError as e:  # a pytorch_model.bin that load_plain refuses
+        raise HFError(str(e)) from None
     if family == "gpt2" and "wte.weight" in tensors:  # saved from GPT2Model: no "transformer." prefix
         tensors = {("" if k.startswith("lm_head") else "transformer.") + k: v for k, v in tensors.items()}
     if family == "bert":  # older files name LayerNorm's parameters as TensorFlow did
@@ -406,10 +406,8 @@ def from_pretrained(path_or_name, device="cpu", dtype=None):
     if extra:
         raise HFError(f"{path} holds tensors that nanoformer's {family} has no place for ({extra[0]}"
                       f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}): no import for this model")
+    model.load_state_dict(state, assign=True, strict=not tied)  # every name but a tied lm_head's was filled
     if tied:
-        state["lm_head.weight"] = state["wte.weight"]
-    model.load_state_dict(state, assign=True)
-    if tied:  # assign=True gave each name its own Parameter
         model.lm_head.weight = model.wte.weight
     return model.to(device).eval()
 
@@ -445,10 +443,9 @@ def load_pretrained(name, device, dtype=None):
 # Writing
 
 def save_pretrained(model, path, **hf_config):
-    """Write config.json and model.safetensors to path such that transformers' AutoModelForCausalLM
-    (GPT-2, Llama, Mistral), AutoModelForMaskedLM (BERT) or AutoModelForSeq2SeqLM (T5) loads the
-    model with the same logits. hf_config: further config.json entries (decoder_start_token_id).
-    Returns the family written."""
+    """Write config.json and model.safetensors to path such that transformers' AutoModelForCausalLM (GPT-2, Llama,
+    Mistral), AutoModelForMaskedLM (BERT) or AutoModelForSeq2SeqLM (T5) loads the model with the same logits.
+    hf_config: further config.json entries (decoder_start_token_id). Returns the family written."""
     c = model.config
     family = family_of(c)
     if any(isinstance(m, Int8Linear) for m in model.modules()):
@@ -460,13 +457,9 @@ def save_pretrained(model, path, **hf_config):
         for name, m in model.named_modules():
             if isinstance(m, (nn.Linear, nn.LayerNorm)) and m.bias is None and (family == "bert" or name != "lm_head"):
                 state[name + ".bias"] = torch.zeros(m.weight.size(0), dtype=m.weight.dtype)
-    names, dtype = name_map(family, c), model.wte.weight.dtype
-    tensors = {}
+    dtype, tensors = model.wte.weight.dtype, {}
     for name, t in state.items():
-        parts = hf_names(names, name)
-        for n, piece in zip(parts, split(t.detach().cpu(), len(parts), c)):
-            f = factor(family, n, c, scaled=c.tie_embeddings)
-            piece = piece if f == 1 else (piece.float() / f).to(dtype)
+        for n, piece in hf_pieces(family, c, name, t.detach().cpu()).items():
             tensors[n] = (piece.t() if family == "gpt2" and n.endswith(CONV1D) else piece).contiguous().clone()
     if family == "bert":
         tensors["bert.embeddings.token_type_embeddings.weight"] = torch.zeros(2, c.n_embd, dtype=dtype)
@@ -489,6 +482,7 @@ class ExportConfig:
     out_dir: str = ""  # the run to export; the second word
     hf_dir: str = ""  # a new directory for transformers; the third word
     ckpt: str = "best"  # "best" (lowest val loss, best.pt) or "latest" (ckpt.pt)
+    adapter: str = ""  # a LoRA run: a new directory for peft's adapters; HF_DIR then gets the base model, unmerged
 
 
 def main(argv):
@@ -499,39 +493,45 @@ def main(argv):
     check_ranges(cfg, dict(command=("export",), ckpt=("best", "latest")))
     if not cfg.out_dir or not cfg.hf_dir:
         raise UsageError("name the run and a new directory: python hf.py export OUT_DIR HF_DIR")
-    if os.path.isdir(cfg.hf_dir) and os.listdir(cfg.hf_dir):
-        raise UsageError(f"{cfg.hf_dir} is not empty: give a new directory (nothing is overwritten)")
+    for d in [d for d in (cfg.hf_dir, cfg.adapter) if os.path.isdir(d) and os.listdir(d)]:
+        raise UsageError(f"{d} is not empty: give a new directory (nothing is overwritten)")
     model, ckpt = load_run(cfg.out_dir, cfg.ckpt)
     print(f"hf.py: {describe(ckpt)}")
-    model, specials = in_use(model, ckpt)
-    meta, extra = ckpt["meta"], {}
-    if meta["tokenizer"] != "hf":  # the end of a document, and an encoder-decoder's first token, are ours
-        eot = meta.get("eot", 50256 if meta["tokenizer"] == "gpt2" else None)
-        extra = dict(bos_token_id=eot, eos_token_id=eot)
-    if model.config.arch == "encoder-decoder":
-        extra["decoder_start_token_id"] = ckpt["tokens"]["start"]
+    if cfg.adapter and not (ckpt["train_config"] or {}).get("lora_rank"):
+        raise UsageError(f"{cfg.out_dir} is not a LoRA run (lora_rank=0): export it without --adapter")
+    if cfg.adapter:  # the weights the adapters apply to: the run's start, which no step moved
+        model.load_state_dict({k: v for k, v in ckpt["model"].items() if not k.endswith((".lora_A", ".lora_B"))})
+    model, specials, extra = in_use(model, ckpt)
     try:
         family = save_pretrained(model, cfg.hf_dir, **extra)
         for name, text in zip(("tokenizer.json", "tokenizer_config.json"),
-                              hf_files(meta, specials, model.config.block_size)):
+                              hf_files(ckpt["meta"], specials, model.config.block_size)):
             with open(os.path.join(cfg.hf_dir, name), "w", encoding="utf-8") as f:
                 f.write(text)
+        if cfg.adapter:  # GPT-2's Linear layers but lm_head are Conv1D, which store their weights transposed
+            conv1d = family == "gpt2" and set(ckpt["train_config"]["lora_targets"].split(",")) != {"lm_head"}
+            save_peft(cfg.adapter, model, ckpt["model"], ckpt["train_config"], partial(hf_pieces, family, model.config),
+                      base_model_name_or_path=cfg.hf_dir, fan_in_fan_out=conv1d,
+                      task_type="SEQ_2_SEQ_LM" if family == "t5" else None if family == "bert" else "CAUSAL_LM")
     except HFError as e:
         raise UsageError(str(e)) from None
     except OSError as e:  # HF_DIR cannot be written
         raise UsageError(f"could not write {cfg.hf_dir} ({e.strerror or e}): choose another directory") from None
     print(f"hf.py: {FAMILIES[family][0]} and its tokenizer written to {cfg.hf_dir} (vocabulary "
-          f"{model.config.vocab_size:,})")
+          f"{model.config.vocab_size:,}){f'; its LoRA adapters to {cfg.adapter}' if cfg.adapter else ''}")
     return 0
 
 
 def in_use(model, ckpt):
-    """The model with only the token ids a run trained from scratch uses (its vocab_size rounds them
-    up to a multiple of 64 for speed), and the names of its objective's tokens: transformers'
-    tokenizer and config then agree on the vocabulary. A pretrained model's is kept as it came."""
-    c = model.config
-    if ckpt["meta"]["tokenizer"] == "hf":
-        return model, {}
+    """The model with only the token ids a run trained from scratch uses (vocab_size rounds them up to a multiple of
+    64), its objective's token names and config.json's entries for our tokens (a document's end, an encoder-decoder's
+    first): transformers' tokenizer and config then agree on the vocabulary. A pretrained model's is kept as it came."""
+    c, meta = model.config, ckpt["meta"]
+    extra = dict(decoder_start_token_id=ckpt["tokens"]["start"]) if c.arch == "encoder-decoder" else {}
+    if meta["tokenizer"] == "hf":
+        return model, {}, extra
+    eot = meta.get("eot", 50256 if meta["tokenizer"] == "gpt2" else None)
+    extra |= dict(bos_token_id=eot, eos_token_id=eot)
     specials = token_names(c.arch, ckpt["tokens"])
     n = max([ckpt["meta"]["vocab_size"] - 1, *specials]) + 1
     if n < c.vocab_size:
@@ -539,7 +539,7 @@ def in_use(model, ckpt):
                  for k, v in model.state_dict().items()}
         model = Transformer(replace(c, vocab_size=n))
         model.load_state_dict(state)
-    return model.eval(), specials
+    return model.eval(), specials, extra
 
 
 if __name__ == "__main__":

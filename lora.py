@@ -6,11 +6,15 @@ layer instead of in x out. The adapted layers keep their weight's and bias's nam
 holds the base weights as they were, beside lora_A and lora_B; merged, it is a plain model again.
 """
 
+import json
 import math
+import os
+import re
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 
 class LoRALinear(nn.Linear):
@@ -62,6 +66,31 @@ def merged_state(state, scaling):
         update = state[f"{layer}.lora_B"].float() @ state[k].float()  # (out, r) @ (r, in)
         out[f"{layer}.weight"] = (w.float() + scaling * update).to(w.dtype)
     return out
+
+
+def save_peft(path, model, state, train_config, pieces, **config):
+    """Write the adapters of a LoRA checkpoint's state, for the plain `model` exported from it (its vocabulary
+    perhaps cut), as peft's adapter_config.json (with config's entries) and adapter_model.safetensors.
+    pieces(name, t) -> {a Hugging Face tensor: its rows of t}: each adapted Linear of ours becomes each module
+    Hugging Face has for it (q, k and v for c_attn) with A and its rows of B, so that ΔW is the trained one, and
+    peft adds (alpha / r) B A x to each module's output as LoRALinear does. A (r, in) and B (out, r) keep these
+    shapes for GPT-2's Conv1D too, whose (in, out) weight config's fan_in_fan_out announces."""
+    tensors = {}
+    for layer in [k.removesuffix(".lora_A") for k in state if k.endswith(".lora_A")]:
+        B = state[layer + ".lora_B"][:model.get_submodule(layer).weight.size(0)]  # the exported vocabulary
+        for n, b in pieces(layer + ".weight", B).items():
+            for ab, t in zip("AB", (state[layer + ".lora_A"], b)):
+                tensors[f"base_model.model.{n.removesuffix('.weight')}.lora_{ab}.weight"] = t.contiguous().clone()
+    targets = {re.sub(r"^.*?\.\d+\.(.*)\.lora_A\.weight$", r"\1", n) for n in tensors if "lora_A" in n}
+    config = dict(peft_type="LORA", r=train_config["lora_rank"], lora_alpha=train_config["lora_alpha"],
+                  lora_dropout=train_config["lora_dropout"], target_modules=sorted(targets),  # peft matches the end
+                  bias="none", inference_mode=True) | config
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    os.umask(umask := os.umask(0o22))  # reading the umask sets it: set it back
+    os.chmod(os.path.join(path, "adapter_model.safetensors"), 0o666 & ~umask)  # safetensors writes 0600
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def lora_line(model):

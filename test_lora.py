@@ -1,6 +1,8 @@
 """LoRA (lora.py): the update starts at zero, only the adapters train, the base weights stay as they
 were, a run resumes exactly, and a LoRA run samples (merged) what its adapted model computes."""
 
+import json
+
 import pytest
 import torch
 
@@ -67,6 +69,45 @@ def test_a_lora_run_trains_only_its_adapters_resumes_exactly_and_samples_merged(
     with torch.no_grad():
         torch.testing.assert_close(theirs(idx).logits, model(idx)[0][..., :theirs.config.vocab_size], rtol=1e-4,
                                    atol=1e-4)
+
+
+LLAMA = ["--pos=rope", "--norm=rmsnorm", "--mlp=swiglu", "--bias=False", "--tie_embeddings=False", "--n_kv_head=1"]
+
+
+@pytest.mark.parametrize("family, arch, targets, modules", [
+    ("gpt2", [], "c_attn,c_proj", ["attn.c_attn", "attn.c_proj", "mlp.c_proj"]),  # GPT-2's Conv1D layers
+    ("llama", LLAMA, "c_attn,c_fc", ["mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.q_proj",
+                                     "self_attn.v_proj"]),  # our fused q, k, v and up, gate: B's rows split
+], ids=["gpt2", "llama"])
+def test_an_exported_adapter_on_the_exported_base_computes_the_runs_logits_in_peft(family, arch, targets, modules,
+                                                                                   workdir, in_process, tiny_args):
+    d, _ = workdir
+    out = f"out-lora-{family}"
+    args = ["--dataset=verse", f"--out_dir={out}", "--lora_rank=4", "--lora_alpha=8", f"--lora_targets={targets}",
+            "--max_iters=4", "--eval_interval=4", *arch, *tiny_args]
+    assert in_process(train.main, args, cwd=d) == 0
+    argv = ["export", out, f"hf-{family}", f"--adapter=adapter-{family}", "--ckpt=latest"]
+    assert in_process(hf.main, argv, cwd=d) == 0
+    config = json.loads((d / f"adapter-{family}" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["target_modules"]) == ("LORA", 4, 8, modules)
+    assert config["fan_in_fan_out"] == (family == "gpt2") and config["task_type"] == "CAUSAL_LM"
+    merged, ckpt = checkpoint.load_run(str(d / out), "latest")
+    base = hf.from_pretrained(d / f"hf-{family}")  # the run's start: the weights no step moved
+    assert all(torch.equal(t, ckpt["model"][k][:len(t)]) for k, t in base.state_dict().items())
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(d / f"hf-{family}")
+    theirs = peft.PeftModel.from_pretrained(theirs, d / f"adapter-{family}").eval()
+    idx = torch.randint(0, 40, (1, 8))
+    with torch.no_grad():
+        ours = merged.eval()(idx)[0][..., :theirs.config.vocab_size]
+        torch.testing.assert_close(theirs(idx).logits, ours, rtol=1e-4, atol=1e-4)
+        assert (base(idx)[0][..., :theirs.config.vocab_size] - ours).abs().max() > 1e-3  # the adapters matter
+
+
+def test_an_adapter_export_of_a_run_without_lora_is_refused(trained_once, refusal, tmp_path):
+    refusal(hf.main, ["export", str(trained_once), str(tmp_path / "hf"), f"--adapter={tmp_path / 'a'}"],
+            "is not a LoRA run", "without --adapter")
 
 
 def test_lora_targets_that_name_no_layer_are_refused_in_one_line(workdir, refusal, tiny_args):
