@@ -16,17 +16,15 @@ import copy
 import inspect
 import os
 import resource
-import signal
 import sys
 import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
-# Ctrl-C ends a benchmark quietly (status 130), and a reader that stops early (`| head`) ends it as
-# it ends any Unix tool: no traceback either way, as in the other scripts
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+import common  # no torch: it sets the signals before torch's import, as in the other scripts
+
+if __name__ == "__main__":  # before torch's import, not in main: it takes seconds, and Ctrl-C counts then too
+    common.exit_quietly_on_signals()
 
 import numpy as np
 import torch

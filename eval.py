@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from checkpoint import describe, for_sampling, load_run
 from common import UsageError, check_ranges, parse_settings, usage, write_atomic
-from device import out_of_memory, pick_device, pick_dtype, precision
+from device import pick_device, pick_dtype, precision, run_script
 from tokenizer import END_OF_TEXT, hf_end_of_text, token_names
 
 MASK_FRAC = 0.15  # of an encoder's tokens masked for --text, as BERT's pretraining chooses
@@ -345,14 +345,4 @@ def score_masked(scorer, tok, mask_id, text, cfg):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UsageError as e:  # bad input; any other error is a bug, and keeps its traceback
-        print(f"eval.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeErrors
-        if (oom := out_of_memory(e)) is None:
-            raise
-        print(f"eval.py: error: {oom}: lower --batch_size, or use smaller weights (--dtype=bfloat16)",
-              file=sys.stderr)
-        sys.exit(2)
+    run_script(main, "eval.py", "lower --batch_size, or use smaller weights (--dtype=bfloat16)")

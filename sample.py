@@ -29,7 +29,7 @@ import torch
 
 from checkpoint import describe, for_sampling, load_model, load_run
 from common import UsageError, check_ranges, parse_settings, usage
-from device import out_of_memory, pick_device, pick_dtype, precision, precision_name, timed
+from device import pick_device, pick_dtype, precision, precision_name, run_script, timed
 from generate import absolute_positions, generate, generate_tokens, speculative_generate
 from model import ATTENTIONS
 from pages import write_attention
@@ -337,14 +337,5 @@ def reconstruct(model, tok, prompt, cfg, device, special):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UsageError as e:  # bad input; any other error is a bug, and keeps its traceback
-        print(f"sample.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeErrors
-        if (oom := out_of_memory(e)) is None:
-            raise
-        print(f"sample.py: error: {oom}: give fewer prompts at once (lines of a --batch file), a shorter prompt, "
-              "or smaller weights (--dtype=bfloat16, --quantize=int8)", file=sys.stderr)
-        sys.exit(2)
+    run_script(main, "sample.py", "give fewer prompts at once (lines of a --batch file), a shorter prompt, or "
+               "smaller weights (--dtype=bfloat16, --quantize=int8)")

@@ -210,6 +210,17 @@ EXPORTS = {  # name: (our config, the Auto class that loads it)
 }
 
 
+def logits_of_both(ours, theirs):
+    """Our logits and transformers' on the same padded batch (an encoder-decoder's: a source and targets)."""
+    idx, mask = padded(2, 20)
+    with torch.no_grad():
+        if ours.config.arch == "encoder-decoder":
+            tgt = tokens(2, 9, seed=2)
+            return ours(tgt, src=idx, src_mask=mask.bool())[0], theirs(idx, attention_mask=mask,
+                                                                       decoder_input_ids=tgt).logits
+        return ours(idx)[0], theirs(idx).logits
+
+
 @pytest.mark.parametrize("name", EXPORTS)
 def test_export_loads_in_transformers_with_our_logits_and_reads_back_exactly(name, tmp_path, tiny_model):
     kw, auto = EXPORTS[name]
@@ -217,14 +228,7 @@ def test_export_loads_in_transformers_with_our_logits_and_reads_back_exactly(nam
     ours = randomize(tiny_model(vocab_size=V, n_embd=64, **kw))
     hf.save_pretrained(ours, tmp_path)
     theirs = getattr(transformers, auto).from_pretrained(tmp_path).eval()
-    idx, mask = padded(2, 20)
-    with torch.no_grad():
-        if ours.config.arch == "encoder-decoder":
-            tgt = tokens(2, 9, seed=2)
-            got, want = ours(tgt, src=idx, src_mask=mask.bool())[0], theirs(idx, attention_mask=mask,
-                                                                             decoder_input_ids=tgt).logits
-        else:
-            got, want = ours(idx)[0], theirs(idx).logits
+    got, want = logits_of_both(ours, theirs)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     back = hf.from_pretrained(tmp_path)
     ours_params, back_params = dict(ours.named_parameters()), dict(back.named_parameters())
@@ -381,14 +385,7 @@ def test_each_config_field_exports_with_hfs_logits_or_is_refused_by_name(field, 
         if ours is None:
             continue
         theirs = getattr(transformers, auto).from_pretrained(tmp_path / family).eval()
-        idx, mask = padded(2, 20)
-        with torch.no_grad():
-            if ours.config.arch == "encoder-decoder":
-                tgt = tokens(2, 9, seed=2)
-                got, want = ours(tgt, src=idx, src_mask=mask.bool())[0], theirs(idx, attention_mask=mask,
-                                                                                 decoder_input_ids=tgt).logits
-            else:
-                got, want = ours(idx)[0], theirs(idx).logits
+        got, want = logits_of_both(ours, theirs)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"{field}={value!r} in {family}")
 
 
