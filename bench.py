@@ -164,6 +164,7 @@ class DecodeConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False  # torch.compile the one-token decoding step
+    batch: int = 1  # prompts decoded together (GPT-2 shape only; speculative decoding takes one)
     draft_dir: str = ""  # instead: out_dir's model alone against speculative decoding with this run as the draft
     draft_k: int = 4  # ...tokens the draft proposes per step
     max_new_tokens: int = 500  # ...tokens each timed run generates
@@ -204,7 +205,7 @@ def decoding(argv):
     int8 weights cost a trained model in out_dir. With draft_dir: tokens/s of out_dir's model alone
     and with speculative decoding, as sample.py decodes, and the ratio."""
     cfg = DecodeConfig(**parse_settings(argv, DecodeConfig)[0])
-    check_ranges(cfg, dict(draft_k="[1, inf)", max_new_tokens="[1, inf)", temperature="[0, inf)"))
+    check_ranges(cfg, dict(draft_k="[1, inf)", max_new_tokens="[1, inf)", temperature="[0, inf)", batch="[1, inf)"))
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     torch.set_flush_denormal(True)  # as sample.py runs
@@ -212,13 +213,13 @@ def decoding(argv):
         speculative_speed(cfg, device, dtype)
         return 0
     decode_speed(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-                 device, dtype, cfg.compile)
+                 device, dtype, cfg.compile, cfg.batch)
     if os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):
         int8_quality(cfg.out_dir, device)
     return 0
 
 
-def decode_speed(config, device, dtype, compile=False, new=256, prompt=16, rounds=3):
+def decode_speed(config, device, dtype, compile=False, batch=1, new=256, prompt=16, rounds=3):
     """nanoformer's KV cache against transformers' generate on the same weights, and int8 weights
     (and the compiled step), all greedy from one prompt: each at its best of `rounds`, the decoders
     taking turns in every round."""
@@ -234,7 +235,7 @@ def decode_speed(config, device, dtype, compile=False, new=256, prompt=16, round
                     "nanoformer, int8": int8}
     if compile:
         decoders["nanoformer, compiled step"] = decoders["nanoformer"]  # the same model, through the compiled step
-    idx = torch.randint(0, config.vocab_size, (1, prompt), device=device)
+    idx = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
     runs = {name: (lambda m=m, c="compiled" in name: generate(m, idx, new, temperature=0, compile=c))
             for name, m in decoders.items()}
     if twin is not None:  # min_new_tokens: no early stop at an end-of-text token
@@ -246,19 +247,19 @@ def decode_speed(config, device, dtype, compile=False, new=256, prompt=16, round
         for _ in range(rounds):
             for name, run in runs.items():
                 times[name].append(timed(run, device)[1])
-    print(f"decoding at batch 1: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
+    print(f"decoding at batch {batch}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
           f"({config.n_layer} layers, width {config.n_embd}, random weights), {precision_name(weights, dtype)} on "
           f"{device}; a {prompt}-token prompt, {new} new tokens, greedy; best of {rounds}")
-    print(f"memory reads {rate / 1e9:.1f} GB/s (a sum over 1 GiB): the bound is a token's bytes over that rate")
+    print(f"memory reads {rate / 1e9:.1f} GB/s (a sum over 1 GiB): the bound is a step's bytes over that rate")
     if twin is not None:
         same = all(torch.equal(outputs["transformers"], out) for name, out in outputs.items() if "int8" not in name)
         print(f"transformers {sys.modules['transformers'].__version__}: the same weights, "
               f"{'the same' if same else 'OTHER'} tokens")
-    print(f"{'decoder':<29} | {'tokens/s':>8} | {'vs transformers':>15} | {'bytes/token':>11} | {'of the bound':>12}")
+    print(f"{'decoder':<29} | {'tokens/s':>8} | {'vs transformers':>15} | {'bytes/step':>11} | {'of the bound':>12}")
     for name, ts in times.items():
-        tps, read = new / min(ts), bytes_per_token(int8 if "int8" in name else model)
-        ratio = f"{tps * min(times['transformers']) / new:.2f}x" if twin is not None else "-"
-        print(f"{name:<29} | {tps:>8.1f} | {ratio:>15} | {read / 1e6:>8.1f} MB | {tps * read / rate:>12.0%}")
+        tps, read = batch * new / min(ts), bytes_per_token(int8 if "int8" in name else model)  # read once a step
+        ratio = f"{min(times['transformers']) / min(ts):.2f}x" if twin is not None else "-"
+        print(f"{name:<29} | {tps:>8.1f} | {ratio:>15} | {read / 1e6:>8.1f} MB | {tps / batch * read / rate:>12.0%}")
     int8_bytes = sum(m.weight.numel() + m.scale.numel() * m.scale.element_size() for m in int8.modules()
                      if isinstance(m, Int8Linear))
     linear = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -521,7 +521,8 @@ def loop(run, it, progress, dtype):
         spread = all_ranks(torch.stack((flat, -flat)), dist.ReduceOp.MAX)
         log(f"ranks agree: max parameter difference {(spread[0] + spread[1]).max().item():.3g}")
     log(f"done: {it} iterations ({skips.seen} skipped), best val loss {progress['best_val_loss']:.4f}, "
-        f"{time.time() - t_start:.1f} s")
+        f"{time.time() - t_start:.1f} s" + (f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} "
+                                             "GiB" if device.type == "cuda" else ""))
     return 0
 
 
