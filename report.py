@@ -12,6 +12,7 @@ import html
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict
 
@@ -73,6 +74,11 @@ class Report:
         self.records = [r for r in read_metrics(self.metrics) if r["iter"] <= it] if cfg.init_from == "resume" else []
         self.rewrite = True
         self.t0 = time.time() - (self.records[-1]["elapsed"] if self.records else 0)  # elapsed goes on from there
+        try:  # the page's samples need the tokenizer; training does not (an offline GPU machine lacks GPT-2's files)
+            self.tokenizer = Tokenizer(run.meta)
+        except UsageError as e:
+            self.tokenizer = f"(no sample: {e})"
+            print(f"report.html will show no samples: {e}", file=sys.stderr)
         n_params = sum(p.numel() for p in run.raw_model.parameters())
         self.what = (f"{c.arch} (pos={c.pos}, norm={c.norm}, mlp={c.mlp}{f', {c.n_expert} experts' if c.n_expert else ''})"
                      f" &middot; {c.n_layer} layers, {c.n_head} heads, {c.n_embd} wide, context {c.block_size} &middot; "
@@ -96,10 +102,11 @@ class Report:
         if sharded(self.run.raw_model):  # rank 0 alone would wait for the others to gather each weight
             pieces = [("(none under --fsdp=True, where rank 0 holds a slice of each weight: sample.py samples "
                        f"{self.run.cfg.out_dir}'s checkpoints)", False)]
+        elif isinstance(self.tokenizer, str):
+            pieces = [(self.tokenizer, False)]
         else:
             with self.run.autocast:
-                pieces = greedy_sample(self.run.raw_model, self.run.data["val"], self.run.tokens,
-                                       Tokenizer(self.run.meta))
+                pieces = greedy_sample(self.run.raw_model, self.run.data["val"], self.run.tokens, self.tokenizer)
         self.write(self.page, self.render(pieces))
 
     def write(self, path, text, append=False):

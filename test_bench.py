@@ -54,24 +54,25 @@ def test_bench_compiled_row_decodes_through_the_compiled_step(monkeypatch):
 
 
 def table(text):
-    """The rows of decode_speed's table: {decoder: (tokens/s, vs transformers, MB/token, of the bound)}."""
+    """The rows of decode_speed's table: {decoder: (tokens/s, vs transformers, MB/step, of the bound)}."""
     rows = re.findall(r"^(\w[\w ,]*?) +\| +([\d.]+) \| +([\d.]+)x \| +([\d.]+) MB \| +(\d+)%$", text, re.M)
     return {name: tuple(map(float, numbers)) for name, *numbers in rows}
 
 
-def test_bench_sample_decodes_the_same_tokens_as_transformers_from_the_same_weights(capsys):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bench_sample_decodes_the_same_tokens_as_transformers_from_the_same_weights(batch, capsys):
     pytest.importorskip("transformers")
     config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
-    bench.decode_speed(config, torch.device("cpu"), torch.float32, new=8, prompt=3, rounds=2)
+    bench.decode_speed(config, torch.device("cpu"), torch.float32, batch=batch, new=8, prompt=3, rounds=2)
     text = capsys.readouterr().out
-    assert "the same weights, the same tokens" in text
+    assert f"decoding at batch {batch}:" in text and "the same weights, the same tokens" in text
     rows = table(text)
     assert set(rows) == {"transformers", "nanoformer", "nanoformer, weights as stored", "nanoformer, int8"}
     assert rows["transformers"][1] == 1.0
     rate = float(re.search(r"memory reads ([\d.]+) GB/s", text)[1]) * 1e9
     for tps, vs, mb, bound in rows.values():
         assert vs == pytest.approx(tps / rows["transformers"][0], abs=0.006)
-        assert bound == pytest.approx(100 * tps * mb * 1e6 / rate, abs=max(1, 0.02 * bound))
+        assert bound == pytest.approx(100 * tps / batch * mb * 1e6 / rate, abs=max(1, 0.02 * bound))  # one read a step
     diff = float(re.search(r"int8 logits: max \|difference\| / max \|logit\| = ([\d.]+)", text).group(1))
     assert 0 < diff < 0.05  # int8 was applied, and rounds each weight by at most half a step
 

