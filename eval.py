@@ -29,7 +29,8 @@ if __name__ == "__main__":
 import torch
 import torch.nn.functional as F
 
-from checkpoint import describe, for_sampling, load_run
+from checkpoint import describe, for_sampling
+from hf import load_source
 from common import UsageError, check_ranges, parse_settings, usage, write_atomic
 from device import pick_device, pick_dtype, precision, run_script
 from tokenizer import END_OF_TEXT, hf_end_of_text, token_names
@@ -73,12 +74,9 @@ def main(argv):
     questions = read_tasks(cfg.tasks) if cfg.tasks else None
     device = pick_device(cfg.device)
     weights, autocast = precision(pick_dtype(cfg.dtype, device), device)
+    model, ckpt = load_source(cfg.init_from, cfg.out_dir, cfg.ckpt)  # a run's checkpoint or a Hugging Face model
     if cfg.init_from == "resume":
-        model, ckpt = load_run(cfg.out_dir, cfg.ckpt)
         print(f"eval.py: {describe(ckpt)}", file=sys.stderr)
-    else:
-        import hf  # safetensors and the name maps, only for a Hugging Face model
-        model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"), torch.float32)
     model, tok = for_sampling(model, ckpt, device, weights)
     arch = model.config.arch
     if arch == "encoder-decoder":

@@ -80,8 +80,7 @@ LLAMA = {  # LlamaForCausalLM and MistralForCausalLM. HF's q and k are already i
     "decoder.h.{i}.ln_2": "model.layers.{i}.post_attention_layernorm",
     "decoder.h.{i}.mlp.c_fc": ["model.layers.{i}.mlp.up_proj", "model.layers.{i}.mlp.gate_proj"],  # up * silu(gate)
     "decoder.h.{i}.mlp.c_proj": "model.layers.{i}.mlp.down_proj",
-    "decoder.ln_f": "model.norm", "lm_head": "lm_head",
-}
+    "decoder.ln_f": "model.norm", "lm_head": "lm_head"}
 
 
 def t5_names(gated):
@@ -328,10 +327,9 @@ def read_json(path, what):
     try:
         with open(path) as f:
             return json.load(f)
-    except OSError:
-        raise HFError(f"{path} is missing: {what}") from None
-    except ValueError as e:
-        raise HFError(f"{path} is not valid JSON ({e}): download the model again") from None
+    except (OSError, ValueError) as e:  # missing, or not JSON
+        raise HFError(f"{path} is missing: {what}" if isinstance(e, OSError) else
+                      f"{path} is not valid JSON ({e}): download the model again") from None
 
 
 def read_tensors(path):
@@ -412,22 +410,24 @@ def from_pretrained(path_or_name, device="cpu", dtype=None):
     return model.to(device).eval()
 
 
-def load_pretrained(name, device, dtype=None):
-    """A Hugging Face model (a directory, or a hub name to download) and, as a checkpoint would
-    carry them, its tokenizer (meta), the objectives' special tokens (tokens) and its directory."""
+def load_source(init_from, out_dir="", which="best"):
+    """The one place where sample.py, eval.py, the export and train.py's pretrained start get a model (fp32, CPU) and
+    what a checkpoint carries beside it: meta (the tokenizer), tokens (special), model_config, path. init_from "resume":
+    out_dir's run (best.pt, or which="latest": ckpt.pt), a LoRA run merged (train.py's resume reads ckpt.pt whole,
+    through checkpoint.load_checkpoint); else a Hugging Face directory, or a hub name to download."""
+    if init_from == "resume":
+        return load_run(out_dir, which)
     try:
-        path = local_dir(name)
-        model = from_pretrained(path, device, dtype)
+        model = from_pretrained(path := local_dir(init_from), "cpu", torch.float32)
     except Exception as e:  # HFError, or a file that cannot be read: one line either way
-        why = str(e) if isinstance(e, HFError) else f"{name} could not be read ({type(e).__name__}: {e})"
+        why = str(e) if isinstance(e, HFError) else f"{init_from} could not be read ({type(e).__name__}: {e})"
         raise UsageError(why.splitlines()[0]) from None
     meta = tokenizer_meta(path)
     if meta["tokenizer"] != "hf":  # GPT-2's BPE (tiktoken) or characters, with tokens of ours after them
         meta["vocab_size"] = 50257 if meta["tokenizer"] == "gpt2" else len(meta["vocab"])
         tokens = special_tokens(meta["vocab_size"])  # as train.py numbers them (a decoder uses none)
     else:
-        tokens = special_tokens(model.config.vocab_size)
-        tok = Tokenizer(meta)
+        tokens, tok = special_tokens(model.config.vocab_size), Tokenizer(meta)
         meta["vocab_size"] = tok.vocab_size
         ids = {t: tok.enc.token_to_id(t) for t in ("[MASK]", "<extra_id_0>", "<extra_id_1>")}
         if ids["[MASK]"] is not None:  # BERT's
@@ -495,7 +495,7 @@ def main(argv):
         raise UsageError("name the run and a new directory: python hf.py export OUT_DIR HF_DIR")
     for d in [d for d in (cfg.hf_dir, cfg.adapter) if os.path.isdir(d) and os.listdir(d)]:
         raise UsageError(f"{d} is not empty: give a new directory (nothing is overwritten)")
-    model, ckpt = load_run(cfg.out_dir, cfg.ckpt)
+    model, ckpt = load_source("resume", cfg.out_dir, cfg.ckpt)
     print(f"hf.py: {describe(ckpt)}")
     if cfg.adapter and not (ckpt["train_config"] or {}).get("lora_rank"):
         raise UsageError(f"{cfg.out_dir} is not a LoRA run (lora_rank=0): export it without --adapter")

@@ -27,7 +27,8 @@ if __name__ == "__main__":  # before torch's import, not in main: it takes secon
 
 import torch
 
-from checkpoint import describe, for_sampling, load_model, load_run
+from checkpoint import describe, for_sampling, load_model
+from hf import load_source
 from common import UsageError, check_ranges, parse_settings, usage
 from device import pick_device, pick_dtype, precision, precision_name, run_script, timed
 from generate import absolute_positions, generate, generate_tokens, speculative_generate
@@ -122,12 +123,9 @@ def main(argv):
     dtype = pick_dtype(cfg.dtype, device)
     torch.set_flush_denormal(True)  # softmax tails leave denormal floats, which x86 CPUs handle far slower
     weights, autocast = precision(dtype, device)
+    model, ckpt = load_source(cfg.init_from, cfg.out_dir, cfg.ckpt)  # a run's checkpoint or a Hugging Face model
     if cfg.init_from == "resume":
-        model, ckpt = load_run(cfg.out_dir, cfg.ckpt)
         print(f"sample.py: {describe(ckpt)}", file=sys.stderr)
-    else:
-        import hf  # safetensors and the name maps, only for a Hugging Face model
-        model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"), torch.float32)
     model, tok = for_sampling(model, ckpt, device, weights, cfg.quantize)
     prompt = read_prompt(cfg.start)
     if unknown := tok.unknown(prompt.replace(MASK, "")):

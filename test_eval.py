@@ -233,3 +233,18 @@ def test_lm_evaluation_harness_gives_the_same_numbers(exported, in_process):
         ours = json.loads((d / f"h_{task}.json").read_text())
         for key in ("acc", "acc_norm") if task == "mc" else ("bits_per_byte",):
             assert ours[key] == pytest.approx(out[f"nano_{task}"][f"{key},none"], abs=1e-3), key
+
+
+def test_a_run_and_its_export_resolve_to_the_same_model_tokenizer_and_tokens(exported):
+    """hf.load_source, the one place every script reads a model from: the run and its Hugging Face
+    export give the same logits, the same encoding, the same end-of-text token and vocabulary."""
+    d, _, _ = exported
+    (ours, run), (theirs, export) = hf.load_source("resume", d / "out-ok"), hf.load_source(d / "hf-ok")
+    text = (d / "texts" / "part1.txt").read_text()[:15]  # characters of the run's corpus
+    run_tok, export_tok = Tokenizer(run["meta"]), Tokenizer(export["meta"])
+    assert run_tok.encode(text) == export_tok.encode(text) and run_tok.vocab_size == export_tok.vocab_size
+    assert evaluate.end_of_text(run, run_tok) == evaluate.end_of_text(export, export_tok) is not None
+    idx = torch.tensor([run_tok.encode(text)])
+    with torch.no_grad():  # the export keeps only the ids the run uses
+        a, b = ours(idx)[0][..., :theirs.config.vocab_size], theirs(idx)[0]
+    assert torch.allclose(a, b, atol=1e-5 * a.abs().max().item())  # the same weights; fp32 rounding of sums

@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kernels
 from checkpoint import load_checkpoint, model_config_of, prepare_out_dir, restore, save_atomic
+from hf import load_source
 from common import UsageError, check_ranges, parse_settings, usage
 from data import (STREAM, batch_rng, check_data, eval_rng, get_batch, load_data, sentence_ends, special_tokens,
                   stream_batch)
@@ -340,9 +341,8 @@ def train(cfg, model_args, held, given=()):
         if cfg.max_time and ckpt.get("fitted_iters"):  # a --max_time run goes on with the length it chose
             cfg = replace(cfg, max_iters=ckpt["fitted_iters"], lr_decay_iters=ckpt["fitted_iters"])
     data, meta = load_data(cfg.data_dir, cfg.dataset)
-    if cfg.init_from not in ("scratch", "resume"):
-        import hf  # safetensors and the name maps, only for a pretrained model
-        model, ckpt = hf.load_pretrained(cfg.init_from, torch.device("cpu"))
+    if cfg.init_from not in ("scratch", "resume"):  # what sample.py and eval.py read it as
+        model, ckpt = load_source(cfg.init_from)
         ckpt["model"] = model.state_dict()
     config, changed = model_config_of(cfg, model_args, meta, ckpt, checkpoint_paths(cfg.out_dir)[0])
     if changed:  # as in nanoGPT the training settings come from the command line: say which differ
