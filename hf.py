@@ -273,7 +273,7 @@ def write_config(c, family, dtype):
     if family == "gpt2":
         return hf | dict(n_positions=c.block_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
                          n_inner=c.mlp_hidden, activation_function=approx, layer_norm_epsilon=c.norm_eps,
-                         resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout)
+                         resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, n_ctx=c.block_size)
     if family == "bert":  # two token types, both zero: the position table holds what token type 0 added
         return hf | dict(max_position_embeddings=c.block_size, num_hidden_layers=c.n_layer,
                          num_attention_heads=c.n_head, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden,

@@ -22,7 +22,7 @@ import sample
 import tokenizer
 import train
 from generate import generate
-from model import ModelConfig
+from model import ModelConfig, Transformer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -638,3 +638,14 @@ def test_export_takes_the_latest_checkpoint_when_asked(workdir, in_process, caps
     capsys.readouterr()
     _, said = exported(d, "out-latest", in_process, capsys, "--ckpt=latest")
     assert "out-latest/ckpt.pt: iteration 1, val loss" in said
+
+
+def test_a_gpt2_export_has_the_keys_llama_cpps_converter_reads(tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py (GPT2Model.set_gguf_parameters) reads n_layer, n_ctx, n_embd, n_head and
+    layer_norm_epsilon from config.json, and takes the MLP to be 4 x n_embd wide."""
+    model = Transformer(ModelConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16))
+    assert hf.save_pretrained(model, tmp_path) == "gpt2"
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert {k: config[k] for k in ("n_layer", "n_ctx", "n_embd", "n_head", "layer_norm_epsilon")} == dict(
+        n_layer=2, n_ctx=32, n_embd=16, n_head=2, layer_norm_epsilon=model.config.norm_eps)
+    assert config["n_inner"] in (None, 4 * 16)
