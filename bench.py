@@ -6,10 +6,11 @@ Every benchmark, one per name. Each measures its baseline in the same run, on th
     python bench.py sample --out_dir=out-shakespeare-char --draft_dir=out-small --draft_k=4   # speculative
     python bench.py attention --seqs=1024,4096 --dims=64     # the Triton kernel against torch's (CUDA only)
     python bench.py stream --lengths=1024,4096,16384   # decoding long sequences: softmax, window, linear, performer
+    python bench.py family --max_time=2m   # every member trained for the same time: compare.html, family.md
+    python bench.py scaling --sizes=64,128,256 --max_time=1m   # widths at equal time: L(N), compute-optimal N(C)
 
-Settings are given as in the other scripts: --key=value, or a config file. A list (--seqs, --dims)
-is written with commas, --seqs=1024,4096, and one value alone as --seqs=1024.
-`python bench.py NAME --help` lists a benchmark's settings.
+Settings as in the other scripts (--key=value, or a config file); a list (--seqs, --dims, --sizes) is
+written with commas, --seqs=1024,4096, or one value alone. `python bench.py NAME --help` lists its settings.
 """
 
 import copy
@@ -41,6 +42,7 @@ from train import TRAIN_RANGES, TrainConfig
 from model import KVCache, ModelConfig, Transformer, attn_impl, autocast_dtype
 from quantize import Int8Linear, decode_layout, quantize_int8
 from sample import SampleConfig, load_draft
+from study import FamilyConfig, ScalingConfig, family, scaling
 
 try:
     import triton
@@ -138,8 +140,7 @@ def time_rounds(recipes, forward_backward, grad_clip, device, rounds, iters, war
     """Each recipe's (forward+backward, update) seconds per iteration in each round, the recipes
     taking turns round by round; and on a GPU, its peak memory above what both models hold
     between iterations."""
-    times = {name: [] for name in recipes}
-    memory = {name: 0 for name in recipes}
+    times, memory = {name: [] for name in recipes}, {name: 0 for name in recipes}
     for r in range(rounds):
         for name, (model, compiled, opt, scaler) in recipes.items():
             if device.type == "cuda":
@@ -438,9 +439,8 @@ def attention(argv):
     print(f"B * T = {cfg.tokens} tokens, H * D = {cfg.width}. TFLOP/s: forward 4·B·H·T²·D (half that when "
           f"causal), forward+backward 3.5x the forward.\nMiB: peak memory above the inputs during forward+backward. "
           f"err: max |triton - sdpa-flash| of the forward output.")
-    header = f"{'D':>4} {'causal':>6} {'T':>6} {'B':>4} {'H':>3}"
-    for name in methods:
-        header += f" | {name + ' fwd':>15} {'fwd+bwd':>7} {'MiB':>7}"
+    header = f"{'D':>4} {'causal':>6} {'T':>6} {'B':>4} {'H':>3}" + "".join(
+        f" | {name + ' fwd':>15} {'fwd+bwd':>7} {'MiB':>7}" for name in methods)
     print(header + f" | {'err':>7}")
     print("-" * (len(header) + 10))
     for D in dims:
@@ -518,7 +518,8 @@ def stream_speed(model, L, steps, device, piece=512):
 
 # each benchmark: its function, and the settings it parses (which --help lists) but those it skips
 BENCHES = {"train": (training, (TrainConfig, ModelConfig), ("vocab_size",)), "sample": (decoding, (DecodeConfig,), ()),
-           "attention": (attention, (AttentionConfig,), ()), "stream": (streaming, (StreamConfig,), ())}
+           "attention": (attention, (AttentionConfig,), ()), "stream": (streaming, (StreamConfig,), ()),
+           "family": (family, (FamilyConfig,), ()), "scaling": (scaling, (ScalingConfig,), ())}
 
 
 def main(argv):

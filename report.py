@@ -410,8 +410,9 @@ def section(kind, runs, colors):
             + "\n".join(svgs) + "\n</div>")
 
 
-def compare_page(runs):
-    """The page comparing runs (read_run's): one section per objective, one colour per run."""
+def compare_page(runs, extra=""):
+    """The page comparing runs (read_run's): one section per objective, one colour per run; extra: HTML
+    put before the sections (a study's own charts)."""
     colors = [RUN_COLORS[k % len(RUN_COLORS)] for k in range(len(runs))]
     kinds = {}
     for k, r in enumerate(runs):
@@ -419,7 +420,8 @@ def compare_page(runs):
     sections = [section(kind, [runs[k] for k in ks], [colors[k] for k in ks]) for kind, ks in kinds.items()]
     counts = "; ".join(f"{kind}: {len(ks)}" for kind, ks in kinds.items())
     return COMPARE_PAGE.format(
-        style=STYLE, n=len(runs), written=time.strftime("%Y-%m-%d %H:%M:%S %Z"), sections="\n".join(sections),
+        style=STYLE, n=len(runs), written=time.strftime("%Y-%m-%d %H:%M:%S %Z"), extra=extra,
+        sections="\n".join(sections),
         note=f"Runs of different objectives have losses that do not compare, so each objective has a section "
         f"of its own ({counts} run{'s' * (len(runs) > 1)}).")
 
@@ -430,7 +432,7 @@ COMPARE_PAGE = """<!DOCTYPE html>
 <h1>nanoformer: {n} runs compared</h1>
 <p>From each run's metrics.jsonl and checkpoint; page written {written}.</p>
 <p>{note}</p>
-{sections}
+{extra}{sections}
 </body></html>
 """
 
