@@ -801,7 +801,7 @@ class Transformer(nn.Module):
         c = self.config
         skip = ("wpe", "wte", "lm_head")  # lookups cost nothing; the output layer is added once below
         n = sum(p.numel() * (c.expert_top_k / c.n_expert if ".experts." in name else 1)  # a token uses k experts
-                for name, p in self.named_parameters() if not any(s in name for s in skip))
+                for name, p in self.named_parameters() if not any(s in name.split(".") for s in skip))
         n += c.vocab_size * c.n_embd  # the output layer, whether it shares the embedding's matrix or not
         return 6 * n + (1 + (c.arch == "encoder-decoder")) * 12 * c.n_layer * c.n_head * c.head_size * T
 

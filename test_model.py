@@ -322,6 +322,8 @@ def test_flops_per_token_are_6_per_weight_and_output_weight_plus_12_l_h_hs_t_for
     n = L * (12 * C * C + 2 * C) + C + V * C  # blocks (qkv, proj, fc, proj; two gains), ln_f, the output layer
     model = tiny_model(pos="rope", bias=False, tie_embeddings=tie)  # no position table, no biases
     assert model.flops_per_token(T) == 6 * n + 12 * L * 4 * 8 * T  # 4 heads of 8; the output counted once
+    encoder = tiny_model(arch="encoder", pos="rope", bias=False, tie_embeddings=tie)  # its MLM head's C x C counts
+    assert encoder.flops_per_token(T) == 6 * (n + C * C + C) + 12 * L * 4 * 8 * T  # (and the head's norm gain)
 
 
 def test_swiglu_default_hidden_keeps_the_parameter_count_of_a_plain_mlp():
