@@ -40,7 +40,7 @@ from generate import cache_size, decode, generate, piece_size, speculative_gener
 from optim import make_optimizer, optimizer_step
 from train import TRAIN_RANGES, TrainConfig
 from model import KVCache, ModelConfig, Transformer, attn_impl, autocast_dtype
-from quantize import Int8Linear, decode_layout, quantize_int8
+from quantize import Int4Linear, Int8Linear, decode_layout, quantize_int4, quantize_int8
 from sample import SampleConfig, load_draft
 from study import FamilyConfig, ScalingConfig, family, scaling
 
@@ -181,7 +181,7 @@ def read_rate(device, gib=1, reps=5):
 def bytes_per_token(model):
     """What decoding one token reads at batch 1: every weight of the Linear layers (the lm_head
     included, tied or not) and of the norms, once (an embedding's one row is left out)."""
-    kinds = (torch.nn.Linear, Int8Linear, torch.nn.LayerNorm, torch.nn.RMSNorm)
+    kinds = (torch.nn.Linear, Int8Linear, Int4Linear, torch.nn.LayerNorm, torch.nn.RMSNorm)
     return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, kinds)
                for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
 
@@ -221,21 +221,22 @@ def decoding(argv):
 
 
 def decode_speed(config, device, dtype, compile=False, batch=1, new=256, prompt=16, rounds=3):
-    """nanoformer's KV cache against transformers' generate on the same weights, and int8 weights
-    (and the compiled step), all greedy from one prompt: each at its best of `rounds`, the decoders
-    taking turns in every round."""
+    """nanoformer's KV cache against transformers' generate on the same weights, and int8 and int4 weights
+    (with compile, each through the compiled step too), all greedy from one prompt: each at its best of
+    `rounds`, the decoders taking turns in every round."""
     torch.manual_seed(0)
     weights, autocast = precision(dtype, device)  # as sample.py samples
     model = Transformer(config).eval()
-    int8 = quantize_int8(copy.deepcopy(model)).to(device, weights)  # from the fp32 weights, as sample.py does
+    quantized = {"int8": quantize_int8(copy.deepcopy(model)).to(device, weights),  # from the fp32 weights, as
+                 "int4": quantize_int4(copy.deepcopy(model).to(device)).to(dtype=weights)}  # sample.py does
     twin = hf_twin(model, device, weights)
     model = model.to(device, weights)
-    decoders = {"nanoformer": model, "nanoformer, int8": int8}
+    decoders = {"nanoformer": model} | {f"nanoformer, {q}": m for q, m in quantized.items()}
     if device.type == "cpu":  # as sample.py lays the weights out, and as they were stored
         decoders = {"nanoformer, weights as stored": copy.deepcopy(model), "nanoformer": decode_layout(model),
-                    "nanoformer, int8": int8}
-    if compile:
-        decoders["nanoformer, compiled step"] = decoders["nanoformer"]  # the same model, through the compiled step
+                    **{f"nanoformer, {q}": m for q, m in quantized.items()}}
+    if compile:  # the same models, through the compiled step
+        decoders |= {name + ", compiled": m for name, m in list(decoders.items()) if "stored" not in name}
     idx = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
     runs = {name: (lambda m=m, c="compiled" in name: generate(m, idx, new, temperature=0, compile=c))
             for name, m in decoders.items()}
@@ -253,21 +254,19 @@ def decode_speed(config, device, dtype, compile=False, batch=1, new=256, prompt=
           f"{device}; a {prompt}-token prompt, {new} new tokens, greedy; best of {rounds}")
     print(f"memory reads {rate / 1e9:.1f} GB/s (a sum over 1 GiB): the bound is a step's bytes over that rate")
     if twin is not None:
-        same = all(torch.equal(outputs["transformers"], out) for name, out in outputs.items() if "int8" not in name)
+        same = all(torch.equal(outputs["transformers"], out) for name, out in outputs.items() if ", int" not in name)
         print(f"transformers {sys.modules['transformers'].__version__}: the same weights, "
               f"{'the same' if same else 'OTHER'} tokens")
-    print(f"{'decoder':<29} | {'tokens/s':>8} | {'vs transformers':>15} | {'bytes/step':>11} | {'of the bound':>12}")
+    print(f"{'decoder':<33} | {'tokens/s':>8} | {'vs transformers':>15} | {'bytes/step':>11} | {'of the bound':>12}")
     for name, ts in times.items():
-        tps, read = batch * new / min(ts), bytes_per_token(int8 if "int8" in name else model)  # read once a step
+        m = next((q for k, q in quantized.items() if f", {k}" in name), model)
+        tps, read = batch * new / min(ts), bytes_per_token(m)  # the weights are read once a step
         ratio = f"{min(times['transformers']) / min(ts):.2f}x" if twin is not None else "-"
-        print(f"{name:<29} | {tps:>8.1f} | {ratio:>15} | {read / 1e6:>8.1f} MB | {tps / batch * read / rate:>12.0%}")
-    int8_bytes = sum(m.weight.numel() + m.scale.numel() * m.scale.element_size() for m in int8.modules()
-                     if isinstance(m, Int8Linear))
-    linear = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        print(f"{name:<33} | {tps:>8.1f} | {ratio:>15} | {read / 1e6:>8.1f} MB | {tps / batch * read / rate:>12.0%}")
     with torch.no_grad(), autocast:
-        full, small = model(idx)[0].float(), int8(idx)[0].float()
-    print(f"Linear weights: {linear / 2**20:.1f} MiB, int8: {int8_bytes / 2**20:.1f} MiB; int8 logits: max "
-          f"|difference| / max |logit| = {((full - small).abs().max() / full.abs().max()).item():.4f}")
+        full = model(idx)[0].float()
+        error = {q: ((full - m(idx)[0].float()).abs().max() / full.abs().max()).item() for q, m in quantized.items()}
+    print("max |logit difference| / max |logit|: " + ", ".join(f"{q} {e:.4f}" for q, e in error.items()))
 
 
 def speculative_speed(cfg, device, dtype, rounds=3):

@@ -18,7 +18,7 @@ from distributed import load_optimizer_state
 from data import new_model_config
 from lora import merged_state
 from model import ModelConfig, Transformer
-from quantize import decode_layout, quantize_int8
+from quantize import decode_layout, quantize_int4, quantize_int8
 from tokenizer import Tokenizer
 
 
@@ -176,20 +176,24 @@ def describe(ckpt):
     return line
 
 
-def for_sampling(model, ckpt, device, dtype=torch.float32, quantize=""):
+def for_sampling(model, ckpt, device, dtype=torch.float32, quantize="", group_size=128):
     """model in eval mode on device, its weights in dtype (its Linear layers in int8 with
-    quantize="int8"), and the tokenizer its checkpoint names. A model trained through the Triton
-    kernel on a GPU runs the same attention through SDPA elsewhere (model.attn_impl)."""
+    quantize="int8", in int4 in groups of group_size with "int4"), and the tokenizer its checkpoint
+    names. A model trained through the Triton kernel on a GPU runs the same attention through SDPA
+    elsewhere (model.attn_impl)."""
     if quantize == "int8":
         quantize_int8(model)  # from the fp32 weights: one rounding, not two
-    model = model.to(device=device, dtype=dtype).eval()
+    model = model.to(device)
+    if quantize == "int4":  # packed in the layout of device's kernel, from the fp32 weights
+        quantize_int4(model, group_size)
+    model = model.to(dtype=dtype).eval()  # (the quantized weights are integers, which stay)
     return decode_layout(model) if device.type == "cpu" else model, Tokenizer(ckpt["meta"])
 
 
-def load_model(out_dir, device, dtype=torch.float32, quantize="", which="best"):
+def load_model(out_dir, device, dtype=torch.float32, quantize="", which="best", group_size=128):
     """A run's model ready to sample from (load_run, then for_sampling), its tokenizer and its checkpoint."""
     model, ckpt = load_run(out_dir, which)
-    return *for_sampling(model, ckpt, device, dtype, quantize), ckpt
+    return *for_sampling(model, ckpt, device, dtype, quantize, group_size), ckpt
 
 
 def prepare_out_dir(path, held):

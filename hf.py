@@ -35,7 +35,7 @@ from data import special_tokens
 from lora import save_peft
 from tokenizer import Tokenizer, hf_files, token_names, tokenizer_meta
 from model import ATTENTIONS, ModelConfig, Transformer
-from quantize import Int8Linear
+from quantize import Int4Linear, Int8Linear
 
 
 class HFError(ValueError):
@@ -448,8 +448,8 @@ def save_pretrained(model, path, **hf_config):
     hf_config: further config.json entries (decoder_start_token_id). Returns the family written."""
     c = model.config
     family = family_of(c)
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
-        raise HFError("an int8-quantized model has no Hugging Face layout here: export its float weights")
+    if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
+        raise HFError("a quantized model (int8, int4) has no Hugging Face layout here: export its float weights")
     state = model.state_dict()
     if c.tie_embeddings:
         del state["lm_head.weight"]

@@ -6,7 +6,7 @@ Sample from a trained model; the text streams to stdout as it is generated.
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompts.txt --batch   # one per line
     python sample.py --out_dir=out-shakespeare-char --draft_dir=out-small              # speculative
-    python sample.py --out_dir=out-shakespeare-char --quantize=int8 --attention_page=attn.html
+    python sample.py --out_dir=out-shakespeare-char --quantize=int4 --attention_page=attn.html
     python sample.py --out_dir=out-shakespeare-char-bert --start="To be, or not to be: [MASK][MASK][MASK][MASK] is the question"
     python sample.py --init_from=gpt2 --start="Hello"          # a Hugging Face model: a directory or a hub name
 
@@ -34,7 +34,7 @@ from device import pick_device, pick_dtype, precision, precision_name, run_scrip
 from generate import absolute_positions, generate, generate_tokens, speculative_generate
 from model import ATTENTIONS
 from pages import write_attention
-from quantize import Int8Linear
+from quantize import Int4Linear, Int8Linear
 from sampling import sample
 
 MASK = "[MASK]"
@@ -59,16 +59,17 @@ class SampleConfig:
     batch: bool = False  # with --start=FILE:..., continue every line of the file, all in one batch
     draft_dir: str = ""  # out_dir of a small model that drafts tokens for speculative decoding
     draft_k: int = 4  # tokens the draft proposes per step
-    quantize: str = ""  # "int8": weight-only int8 for every Linear layer
+    quantize: str = ""  # "int8" or "int4": weight-only, for every Linear layer (docs/model.md)
+    group_size: int = 128  # int4: weights per scale and zero point (32, 64, 128 or 256)
     attention_page: str = ""  # write the first sample's attention weights to this HTML file
     attention_tokens: int = 128  # ...for at most this many (the last) tokens
 
 
 RENAMED = {"attention": "attention_page"}  # old name: new name; the old one still works, with a notice
 # the values each setting may take, beyond its type
-RANGES = dict(ckpt=("best", "latest"), quantize=("", "int8"), max_new_tokens="[0, inf)", temperature="[0, inf)",
-              top_k="[1, inf)", top_p="(0, 1]", num_samples="[1, inf)", draft_k="[1, inf)",
-              attention_tokens="[1, inf)", seed="[0, inf)")
+RANGES = dict(ckpt=("best", "latest"), quantize=("", "int8", "int4"), group_size=(32, 64, 128, 256),
+              max_new_tokens="[0, inf)", temperature="[0, inf)", top_k="[1, inf)", top_p="(0, 1]",
+              num_samples="[1, inf)", draft_k="[1, inf)", attention_tokens="[1, inf)", seed="[0, inf)")
 
 
 class Result(NamedTuple):
@@ -126,7 +127,7 @@ def main(argv):
     model, ckpt = load_source(cfg.init_from, cfg.out_dir, cfg.ckpt)  # a run's checkpoint or a Hugging Face model
     if cfg.init_from == "resume":
         print(f"sample.py: {describe(ckpt)}", file=sys.stderr)
-    model, tok = for_sampling(model, ckpt, device, weights, cfg.quantize)
+    model, tok = for_sampling(model, ckpt, device, weights, cfg.quantize, cfg.group_size)
     prompt = read_prompt(cfg.start)
     if unknown := tok.unknown(prompt.replace(MASK, "")):
         raise UsageError(f"the prompt has characters the model's vocabulary lacks: {''.join(unknown)!r}; "
@@ -136,7 +137,7 @@ def main(argv):
         raise UsageError(f"an {arch} fills in blanks, one prompt at a time: leave out --batch and --draft_dir")
     if MASK not in prompt and not continues:
         raise UsageError(f"an {arch} fills in blanks: put {MASK} in --start where text is missing")
-    draft = load_draft(cfg.draft_dir, model, tok, device, cfg.quantize, cfg.ckpt) if cfg.draft_dir else None
+    draft = load_draft(cfg.draft_dir, model, tok, device, cfg.quantize, cfg.ckpt, cfg.group_size) if cfg.draft_dir else None
     refusals(cfg, model, draft)
     if draft is not None:  # each mode: (model, tok, prompt, cfg, device) -> Result
         mode = partial(speculate, draft=draft)
@@ -149,9 +150,9 @@ def main(argv):
     with autocast:
         results, dt = timed(lambda: [mode(model, tok, prompt, cfg, device) for _ in range(cfg.num_samples)], device)
     n_tokens, accepted, proposed = (sum(getattr(r, k) for r in results) for k in ("tokens", "accepted", "proposed"))
-    n_int8 = sum(isinstance(m, Int8Linear) for m in model.modules())
+    n_q = sum(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
     print(f"sample.py: {n_tokens:,} tokens in {dt:.2f} s, {n_tokens / dt:,.1f} tokens/s ({arch}, {device}, "
-          f"{precision_name(model.wte.weight.dtype, dtype)}{f', {n_int8} Linear layers in int8' if n_int8 else ''})"
+          f"{precision_name(model.wte.weight.dtype, dtype)}{f', {n_q} Linear layers in {cfg.quantize}' if n_q else ''})"
           + (f"; draft tokens accepted {accepted}/{proposed} ({accepted / max(proposed, 1):.1%}, k={cfg.draft_k})"
              if cfg.draft_dir else ""), file=sys.stderr)
     if cfg.attention_page:
@@ -231,9 +232,9 @@ def continue_batch(model, tok, prompts, cfg, device):
     return Result(len(rows) * cfg.max_new_tokens, [dict(idx=row + new, prefix=len(row)) for row, new in zip(rows, out)])
 
 
-def load_draft(draft_dir, model, tok, device, quantize="", which="best"):
+def load_draft(draft_dir, model, tok, device, quantize="", which="best", group_size=128):
     """The run in draft_dir, ready to draft for model (a decoder of the same vocabulary), in its dtype."""
-    draft, draft_tok, _ = load_model(draft_dir, device, model.wte.weight.dtype, quantize, which)
+    draft, draft_tok, _ = load_model(draft_dir, device, model.wte.weight.dtype, quantize, which, group_size)
     vocab = lambda t: (t.kind, t.vocab_size, getattr(t, "chars", None))  # noqa: E731
     if draft.config.arch != "decoder" or vocab(draft_tok) != vocab(tok):
         what = f"an {draft.config.arch}" if draft.config.arch != "decoder" else "a decoder of another vocabulary"

@@ -49,8 +49,9 @@ def test_bench_compiled_row_decodes_through_the_compiled_step(monkeypatch):
     config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
     with redirect_stdout(io.StringIO()) as out:
         bench.decode_speed(config, torch.device("cpu"), torch.float32, compile=True, new=8, prompt=3, rounds=1)
-    assert stepped == [256] * 7 * 2  # 7 steps after the prefill, warm-up and round; the cache in steps of 256
-    assert "nanoformer, compiled step" in out.getvalue()
+    # 7 steps after the prefill, warm-up and round, for fp32, int8 and int4 weights; the cache in steps of 256
+    assert stepped == [256] * 7 * 2 * 3
+    assert {"nanoformer, compiled", "nanoformer, int8, compiled", "nanoformer, int4, compiled"} <= set(table(out.getvalue()))
 
 
 def table(text):
@@ -62,19 +63,22 @@ def table(text):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_bench_sample_decodes_the_same_tokens_as_transformers_from_the_same_weights(batch, capsys):
     pytest.importorskip("transformers")
-    config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=128)  # int4's groups of 128
     bench.decode_speed(config, torch.device("cpu"), torch.float32, batch=batch, new=8, prompt=3, rounds=2)
     text = capsys.readouterr().out
     assert f"decoding at batch {batch}:" in text and "the same weights, the same tokens" in text
     rows = table(text)
-    assert set(rows) == {"transformers", "nanoformer", "nanoformer, weights as stored", "nanoformer, int8"}
+    assert set(rows) == {"transformers", "nanoformer", "nanoformer, weights as stored", "nanoformer, int8",
+                         "nanoformer, int4"}
     assert rows["transformers"][1] == 1.0
     rate = float(re.search(r"memory reads ([\d.]+) GB/s", text)[1]) * 1e9
     for tps, vs, mb, bound in rows.values():
         assert vs == pytest.approx(tps / rows["transformers"][0], abs=0.006)
         assert bound == pytest.approx(100 * tps / batch * mb * 1e6 / rate, abs=max(1, 0.02 * bound))  # one read a step
-    diff = float(re.search(r"int8 logits: max \|difference\| / max \|logit\| = ([\d.]+)", text).group(1))
-    assert 0 < diff < 0.05  # int8 was applied, and rounds each weight by at most half a step
+    diff = re.search(r"max \|logit difference\| / max \|logit\|: int8 ([\d.]+), int4 ([\d.]+)", text)
+    assert 0 < float(diff[1]) < 0.05  # int8 was applied, and rounds each weight by at most half a step
+    assert float(diff[1]) < float(diff[2]) < 0.5  # int4's steps are 16 times as coarse
+    assert rows["nanoformer, int8"][2] < rows["nanoformer"][2] / 3 and rows["nanoformer, int4"][2] < rows["nanoformer"][2] / 6
 
 
 def test_bench_stream_shows_the_cache_growing_with_length_and_the_window_and_states_not(in_process, capsys):

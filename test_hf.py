@@ -402,11 +402,11 @@ def test_a_field_added_to_modelconfig_without_a_row_exports_at_its_default_only(
         assert "\n" not in str(e.value)
 
 
-def test_an_int8_model_is_refused(tmp_path, tiny_model):
-    from quantize import quantize_int8
-
-    with pytest.raises(hf.HFError, match="int8"):
-        hf.save_pretrained(quantize_int8(tiny_model(vocab_size=V)), tmp_path)
+def test_a_quantized_model_is_refused(tmp_path, tiny_model):
+    from quantize import quantize_int4, quantize_int8
+    for quantize in (quantize_int8, lambda m: quantize_int4(m, 32)):
+        with pytest.raises(hf.HFError, match="quantized model"):
+            hf.save_pretrained(quantize(tiny_model(vocab_size=V)), tmp_path)
 
 
 def test_a_directory_without_weights_is_refused(tmp_path):

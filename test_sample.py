@@ -295,3 +295,19 @@ def test_a_bart_run_writes_the_whole_text_that_generate_gives_for_the_masked_sou
     monkeypatch.setattr(sample, "generate_tokens", lambda *a, **k: (torch.tensor([[t]]) for t in written))
     assert in_process(sample.main, [*args, "--start=LEAR: b[MASK]d[MASK], and"], cwd=d) == 0
     assert capsys.readouterr().out == "LEAR: bl blood, and" + SEP
+
+
+def test_sample_in_int4_prints_the_int4_models_text_which_follows_the_fp32_models(target_and_draft, sample_py):
+    text, err = sample_py("--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=20", "--quantize=int4",
+                          "--group_size=32", "--temperature=0")
+    model, tok, _ = checkpoint.load_model(str(target_and_draft / "out-target"), torch.device("cpu"))
+    assert f"{sum(isinstance(m, nn.Linear) for m in model.modules())} Linear layers in int4" in err
+    fp32 = generate(model, torch.tensor([tok.encode("LEAR:")]), 20, temperature=0)
+    small, _, _ = checkpoint.load_model(str(target_and_draft / "out-target"), torch.device("cpu"), quantize="int4",
+                                        group_size=32)
+    out = generate(small, torch.tensor([tok.encode("LEAR:")]), 20, temperature=0)
+    assert text.split(SEP)[0] == tok.decode(out[0].tolist())  # the int4 model's greedy text
+    # close to fp32's: along fp32's greedy text the int4 model picks the same next token nearly everywhere
+    with torch.no_grad():
+        same = (small(fp32[:, :-1])[0].argmax(-1) == model(fp32[:, :-1])[0].argmax(-1))[0, len("LEAR:") - 1:]
+    assert same.float().mean() >= 0.8  # (all 20 here; int4's logits stay within 0.2 of fp32's: test_quantize)
