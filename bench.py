@@ -161,7 +161,7 @@ def time_rounds(recipes, forward_backward, grad_clip, device, rounds, iters, war
 
 @dataclass
 class DecodeConfig:
-    out_dir: str = "out"  # a run whose ckpt.pt shows what int8 weights cost it (skipped if none)
+    out_dir: str = "out"  # a run whose ckpt.pt shows what int8 and int4 weights cost it (skipped if none)
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False  # torch.compile the one-token decoding step
@@ -216,7 +216,7 @@ def decoding(argv):
     decode_speed(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
                  device, dtype, cfg.compile, cfg.batch)
     if os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):
-        int8_quality(cfg.out_dir, device)
+        quantized_quality(cfg.out_dir, device)
     return 0
 
 
@@ -303,23 +303,24 @@ def speculative_speed(cfg, device, dtype, rounds=3):
     print(f"speed-up: {rate['speculative'] / rate['target alone']:.2f}x")
 
 
-def int8_quality(out_dir, device, n_batches=50):
-    """What int8 weights cost a trained model: its loss on the same validation batches before and
-    after, and the largest logit difference."""
-    model, _, ckpt = load_model(out_dir, device, which="latest")
-    cfg, meta = ckpt["train_config"], ckpt["meta"]
+def quantized_quality(out_dir, device, n_batches=50):
+    """What int8 and int4 weights (groups of 32 and 128) cost a trained model: its loss on the same
+    validation batches in fp32 and quantized (as sample.py loads each), and the largest logit difference."""
+    models = {name: load_model(out_dir, device, quantize=q, which="latest", group_size=g)
+              for name, q, g in (("fp32", "", 128), ("int8", "int8", 128), ("int4, groups of 32", "int4", 32),
+                                 ("int4, groups of 128", "int4", 128))}
+    cfg, meta, c, tokens = (models["fp32"][2][k] for k in ("train_config", "meta", "model_config", "tokens"))
     data = np.memmap(os.path.join(cfg["data_dir"], cfg["dataset"], "val.bin"), dtype=meta["dtype"], mode="r")
-    batches = [get_batch(data, model.config.arch, 12, model.config.block_size, batch_rng(0, i), ckpt["tokens"],
-                         meta["vocab_size"], cfg["mask_prob"], cfg["noise_density"], cfg["mean_span"])
-               for i in range(n_batches)]
+    batches = [{k: v.to(device) for k, v in get_batch(
+        data, c["arch"], 12, c["block_size"], batch_rng(0, i), tokens, meta["vocab_size"], cfg["mask_prob"],
+        cfg["noise_density"], cfg["mean_span"]).items()} for i in range(n_batches)]
     with torch.no_grad():
-        full = [model(**{k: v.to(device) for k, v in b.items()}) for b in batches]
-        quantize_int8(model)
-        small = [model(**{k: v.to(device) for k, v in b.items()}) for b in batches]
-    loss = [sum(out[1].item() for out in outs) / n_batches for outs in (full, small)]
-    rel = max(((a[0] - b[0]).abs().max() / a[0].abs().max()).item() for a, b in zip(full, small))
-    print(f"int8 on {out_dir} ({cfg['dataset']}, {n_batches} val batches of 12): loss {loss[0]:.4f} -> "
-          f"{loss[1]:.4f} ({loss[1] - loss[0]:+.4f}); max |logit difference| / max |logit| = {rel:.4f}")
+        outs = {name: [m(**b) for b in batches] for name, (m, _, _) in models.items()}
+    loss = {name: sum(o[1].item() for o in out) / n_batches for name, out in outs.items()}
+    print(f"{out_dir} ({cfg['dataset']}, {n_batches} val batches of 12): loss; max |logit difference| / max |logit|")
+    for name, out in outs.items():
+        rel = max(((a[0] - b[0]).abs().max() / a[0].abs().max()).item() for a, b in zip(outs["fp32"], out))
+        print(f"  {name:<20} {loss[name]:.4f} ({loss[name] - loss['fp32']:+.4f})  {rel:.4f}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,6 +37,17 @@ def test_bench_sample_times_the_target_alone_and_speculative_decoding_in_one_run
     assert "k=3; 20 new tokens" in out
 
 
+def test_bench_sample_prints_what_int8_and_int4_weights_cost_a_run(trained, monkeypatch, capsys):
+    monkeypatch.chdir(trained)
+    bench.quantized_quality("out-ok", torch.device("cpu"), n_batches=4)
+    rows = dict((name, (float(loss), float(diff))) for name, loss, diff in re.findall(
+        r"^  (\w[\w ,]*?) +([\d.]+) \([+-][\d.]+\)  ([\d.]+)$", capsys.readouterr().out, re.M))
+    assert list(rows) == ["fp32", "int8", "int4, groups of 32", "int4, groups of 128"]
+    assert rows["fp32"][1] == 0 and rows["int4, groups of 128"][1] > 0  # (128: out-ok's MLP projection only)
+    assert 0 < rows["int8"][1] < rows["int4, groups of 32"][1] < 0.5  # int4's steps are 16 times as coarse
+    assert abs(rows["int8"][0] - rows["fp32"][0]) < 0.01
+
+
 def test_bench_compiled_row_decodes_through_the_compiled_step(monkeypatch):
     # a stand-in for torch.compile (no compiler needed) that records the cache size of each step it runs
     stepped = []
