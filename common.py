@@ -190,6 +190,18 @@ def check_ranges(cfg, table):
 CACHE = os.environ.get("NANOFORMER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanoformer"))
 
 
+def read_text_file(path, what, fix=""):
+    """A UTF-8 text file's contents; a missing file, a folder or other bytes stop with one line that
+    names it as `what` ("prompt file"), then `fix`."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{what} {path!r} {'is a folder, not a file' if os.path.isdir(path) else 'not found'}{fix}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise UsageError(f"{what} {path!r} is not UTF-8 text: convert it first") from None
+
+
 def write_atomic(path, data):
     """Write bytes to a temporary file, then rename it: a reader sees the old file or the whole new one."""
     with open(path + ".tmp", "wb") as f:

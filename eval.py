@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from checkpoint import describe, for_sampling
 from hf import load_source
-from common import UsageError, check_ranges, parse_settings, usage, write_atomic
+from common import UsageError, check_ranges, parse_settings, read_text_file, usage, write_atomic
 from device import pick_device, pick_dtype, precision, run_script
 from tokenizer import END_OF_TEXT, hf_end_of_text, token_names
 
@@ -100,18 +100,8 @@ def main(argv):
 # ----------------------------------------------------------------------------------------------
 # Input
 
-def read_file(path, what):
-    if not os.path.isfile(path):
-        raise UsageError(f"{what} {path!r} {'is a folder, not a file' if os.path.isdir(path) else 'not found'}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError:
-        raise UsageError(f"{what} {path!r} is not UTF-8 text: convert it first") from None
-
-
 def read_text(path):
-    text = read_file(path, "text file")
+    text = read_text_file(path, "text file")
     if not text:
         raise UsageError(f"text file {path!r} is empty: give a file with text to score")
     return text
@@ -121,7 +111,7 @@ def read_tasks(path):
     """The questions of a .jsonl file in HellaSwag's schema: (line number, ctx, endings, label) each;
     blank lines are skipped, anything else malformed is refused with its line number."""
     questions = []
-    for n, line in enumerate(read_file(path, "task file").splitlines(), 1):
+    for n, line in enumerate(read_text_file(path, "task file").splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path} line {n}"

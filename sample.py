@@ -29,7 +29,7 @@ import torch
 
 from checkpoint import describe, for_sampling, load_model
 from hf import load_source
-from common import UsageError, check_ranges, parse_settings, usage
+from common import UsageError, check_ranges, parse_settings, read_text_file, usage
 from device import pick_device, pick_dtype, precision, precision_name, run_script, timed
 from generate import absolute_positions, generate, generate_tokens, speculative_generate
 from model import ATTENTIONS
@@ -173,15 +173,7 @@ def read_prompt(start):
             return start.encode("latin-1", "backslashreplace").decode("unicode_escape")
         except UnicodeDecodeError as e:
             raise UsageError(f"--start has a broken escape ({e.reason}): write \\\\ for a backslash") from None
-    path = start[5:]
-    if not os.path.isfile(path):
-        what = "is a folder, not a file" if os.path.isdir(path) else "not found"
-        raise UsageError(f"prompt file {path!r} {what}: check the path after FILE:")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError:
-        raise UsageError(f"prompt file {path!r} is not UTF-8 text: convert it first") from None
+    return read_text_file(start[5:], "prompt file", ": check the path after FILE:")
 
 
 def encode_prompt(model, tok, prompt):
