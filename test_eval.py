@@ -6,6 +6,7 @@ ways; an encoder scores its masked tokens; bad input refused in one line."""
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 import checkpoint
 import eval as evaluate
 import hf
+import prepare
 import train
 from tokenizer import Tokenizer
 
@@ -31,15 +33,24 @@ def write_tasks(path, n=12, seed=0):
             f.write(json.dumps(dict(ctx=ctx, endings=endings, label=rng.randrange(4))) + "\n" * (1 + (i == 3)))
 
 
-@pytest.fixture(scope="module")
-def exported(trained, in_process):
-    """The trained run (out-ok, characters with an end-of-text token, block_size 16) exported to hf-ok,
-    and transformers' model and tokenizer of the export."""
+@pytest.fixture(scope="module", params=["char", "gpt2"])
+def exported(request, trained, in_process, tiny_args):
+    """A run exported, and transformers' model and tokenizer of the export: the trained run (out-ok,
+    characters with an end-of-text token, block_size 16) to hf-ok, or one trained here on the same
+    texts in GPT-2's BPE (out-bpe, where tokens are not bytes and a space joins the word after it) to hf-bpe."""
     transformers = pytest.importorskip("transformers")
-    assert in_process(hf.main, ["export", "out-ok", "hf-ok"], cwd=trained) == 0
-    model = transformers.AutoModelForCausalLM.from_pretrained(trained / "hf-ok").eval()
-    tok = transformers.AutoTokenizer.from_pretrained(trained / "hf-ok")
-    return trained, model, tok
+    run = dict(char="out-ok", gpt2="out-bpe")[request.param]
+    if request.param == "gpt2":
+        request.getfixturevalue("gpt2_bpe")
+        args = ["text", "--input=texts/*.txt", "--name=verse_bpe", "--tokenizer=gpt2", "--workers=1"]
+        assert in_process(prepare.main, args, cwd=trained) in (None, 0)  # prepare.main returns nothing
+        assert in_process(train.main, ["--dataset=verse_bpe", f"--out_dir={run}", "--max_iters=4",
+                                       "--eval_interval=2", *tiny_args], cwd=trained) == 0
+    export = run.replace("out-", "hf-")
+    assert in_process(hf.main, ["export", run, export], cwd=trained) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(trained / export).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(trained / export)
+    return SimpleNamespace(d=trained, model=model, tok=tok, run=run, export=export, bpe=request.param == "gpt2")
 
 
 def hf_log_probs(model, ids):
@@ -69,11 +80,11 @@ def test_bits_per_byte_of_one_byte_tokens_is_the_loss_over_ln2(trained, in_proce
 
 
 def test_text_loss_equals_transformers_on_the_export(exported, in_process):
-    d, model, tok = exported
+    d, model, tok = exported.d, exported.model, exported.tok
     text = (d / "texts" / "part2.txt").read_text(encoding="utf-8")[:700]  # with ó, two bytes
     assert "ó" in text
     (d / "verse.txt").write_text(text, encoding="utf-8")
-    assert in_process(evaluate.main, ["--out_dir=out-ok", "--text=verse.txt", "--out=text.json"], cwd=d) == 0
+    assert in_process(evaluate.main, [f"--out_dir={exported.run}", "--text=verse.txt", "--out=text.json"], cwd=d) == 0
     r = json.loads((d / "text.json").read_text())
     # every token once: predictions in chunks of T, each chunk from one forward of the T ids just before
     # its end, the end-of-text token first (the harness's rolling windows, in another form)
@@ -83,16 +94,17 @@ def test_text_loss_equals_transformers_on_the_export(exported, in_process):
         b = min(a + T, len(ids))
         logp = hf_log_probs(model, full[max(0, b - T):b])[-(b - a):]
         ll += logp.gather(-1, torch.tensor(ids[a:b])[:, None]).sum().item()
-    assert r["n"] == len(ids) == len(text)
+    assert r["n"] == len(ids) and (len(ids) < len(text) / 2 if exported.bpe else len(ids) == len(text))
+    assert len(ids) > 2 * T  # several windows
     assert r["loss"] == pytest.approx(-ll / len(ids), rel=1e-6)
     assert r["bits_per_byte"] == pytest.approx(-ll / math.log(2) / len(text.encode("utf-8")), rel=1e-6)
-    assert r["bits_per_byte"] < r["loss"] / math.log(2)  # bytes, not characters: ó is two
+    assert r["bits_per_byte"] < r["loss"] / math.log(2)  # bytes, not tokens: ó is two; a BPE token several
 
 
 def test_multiple_choice_equals_transformers_on_the_export(exported, in_process):
-    d, model, tok = exported
+    d, model, tok = exported.d, exported.model, exported.tok
     write_tasks(d / "tasks.jsonl")
-    assert in_process(evaluate.main, ["--out_dir=out-ok", "--tasks=tasks.jsonl", "--out=mc.json",
+    assert in_process(evaluate.main, [f"--out_dir={exported.run}", "--tasks=tasks.jsonl", "--out=mc.json",
                                       "--batch_size=5"], cwd=d) == 0
     r = json.loads((d / "mc.json").read_text())
     T, right, right_norm, n = model.config.n_positions, 0, 0, 0
@@ -113,13 +125,13 @@ def test_multiple_choice_equals_transformers_on_the_export(exported, in_process)
 
 
 def test_each_ending_scores_as_transformers_on_the_export(exported):
-    d, model, tok = exported
-    ours, ckpt = checkpoint.load_run(d / "out-ok")
+    d, model = exported.d, exported.model
+    ours, ckpt = checkpoint.load_run(d / exported.run)
     scorer = evaluate.Scorer(ours.eval(), evaluate.vocab_in_use(ours, ckpt), 3, torch.device("cpu"))
-    chars = Tokenizer(ckpt["meta"])
+    tok = Tokenizer(ckpt["meta"])
     pairs = [("Sweet sorrow ", "night."), ("King crown lady sword grave heart blood fair lord", " day."),
              ("", " love"), ("Fair", " lady sword.")]
-    requests = [evaluate.encode_pair(chars, ctx, cont, ckpt["meta"]["eot"]) for ctx, cont in pairs]
+    requests = [evaluate.encode_pair(tok, ctx, cont, ckpt["meta"]["eot"]) for ctx, cont in pairs]
     with torch.no_grad():
         got = evaluate.loglikelihoods(scorer, requests, "endings")
     want = [hf_loglikelihood(model, c, cont, 16) for c, cont in requests]
@@ -208,7 +220,7 @@ def test_lm_evaluation_harness_gives_the_same_numbers(exported, in_process):
     export, offline, with local tasks in HellaSwag's schema and a text."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
-    d, _, _ = exported
+    d = exported.d
     write_tasks(d / "mc.jsonl", n=20, seed=3)
     text = (d / "texts" / "part0.txt").read_text(encoding="utf-8")[:600]
     (d / "doc.txt").write_text(text, encoding="utf-8")
@@ -224,12 +236,12 @@ def test_lm_evaluation_harness_gives_the_same_numbers(exported, in_process):
         f"task: nano_text\n{common}dataset_kwargs:\n  data_files:\n    test: {d / 'doc.jsonl'}\n"
         "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
         "metric_list:\n  - metric: bits_per_byte\n")
-    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d / 'hf-ok'},dtype=float32", device="cpu",
+    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d / exported.export},dtype=float32", device="cpu",
                                   tasks=["nano_mc", "nano_text"], batch_size=4,
                                   task_manager=TaskManager(include_path=str(d / "tasks")))["results"]
     for task, args in (("mc", ["--tasks=mc.jsonl", "--out=h_mc.json"]),
                        ("text", ["--text=doc.txt", "--out=h_text.json"])):
-        assert in_process(evaluate.main, ["--out_dir=out-ok", *args], cwd=d) == 0
+        assert in_process(evaluate.main, [f"--out_dir={exported.run}", *args], cwd=d) == 0
         ours = json.loads((d / f"h_{task}.json").read_text())
         for key in ("acc", "acc_norm") if task == "mc" else ("bits_per_byte",):
             assert ours[key] == pytest.approx(out[f"nano_{task}"][f"{key},none"], abs=1e-3), key
@@ -238,8 +250,8 @@ def test_lm_evaluation_harness_gives_the_same_numbers(exported, in_process):
 def test_a_run_and_its_export_resolve_to_the_same_model_tokenizer_and_tokens(exported):
     """hf.load_source, the one place every script reads a model from: the run and its Hugging Face
     export give the same logits, the same encoding, the same end-of-text token and vocabulary."""
-    d, _, _ = exported
-    (ours, run), (theirs, export) = hf.load_source("resume", d / "out-ok"), hf.load_source(d / "hf-ok")
+    d = exported.d
+    (ours, run), (theirs, export) = hf.load_source("resume", d / exported.run), hf.load_source(d / exported.export)
     text = (d / "texts" / "part1.txt").read_text()[:15]  # characters of the run's corpus
     run_tok, export_tok = Tokenizer(run["meta"]), Tokenizer(export["meta"])
     assert run_tok.encode(text) == export_tok.encode(text) and run_tok.vocab_size == export_tok.vocab_size
