@@ -70,8 +70,7 @@ def training(argv, rounds=5, iters=20, warmup=10):
     cfg = TrainConfig(**train_args)
     check_ranges(cfg, TRAIN_RANGES)
     if cfg.init_from != "scratch":
-        raise UsageError(f"bench.py train times a new model of the settings given: leave out "
-                         f"--init_from={cfg.init_from}")
+        raise UsageError(f"bench.py train times a new model of these settings: leave out --init_from={cfg.init_from}")
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     data, meta = load_data(cfg.data_dir, cfg.dataset)
@@ -101,9 +100,7 @@ def training(argv, rounds=5, iters=20, warmup=10):
                 loss = compiled(**{k: v.to(device, non_blocking=True) for k, v in b.items()})[1]
             scaler.scale(loss / cfg.gradient_accumulation_steps).backward()
 
-    def apart():
-        return max((p - q).abs().max().item() for p, q in zip(ours.parameters(), ref.parameters()))
-
+    apart = lambda: max((p - q).abs().max().item() for p, q in zip(ours.parameters(), ref.parameters()))  # noqa: E731
     for it in range(warmup):  # warm up (and compile) outside the timings
         for model, compiled, opt, scaler in recipes.values():
             forward_backward(compiled, scaler, it)
@@ -303,6 +300,7 @@ def speculative_speed(cfg, device, dtype, rounds=3):
     print(f"speed-up: {rate['speculative'] / rate['target alone']:.2f}x")
 
 
+@torch.no_grad()
 def quantized_quality(out_dir, device, n_batches=50):
     """What int8 and int4 weights (groups of 32 and 128) cost a trained model: its loss on the same
     validation batches in fp32 and quantized (as sample.py loads each), and the largest logit difference."""
@@ -311,16 +309,17 @@ def quantized_quality(out_dir, device, n_batches=50):
                                  ("int4, groups of 128", "int4", 128))}
     cfg, meta, c, tokens = (models["fp32"][2][k] for k in ("train_config", "meta", "model_config", "tokens"))
     data = np.memmap(os.path.join(cfg["data_dir"], cfg["dataset"], "val.bin"), dtype=meta["dtype"], mode="r")
-    batches = [{k: v.to(device) for k, v in get_batch(
-        data, c["arch"], 12, c["block_size"], batch_rng(0, i), tokens, meta["vocab_size"], cfg["mask_prob"],
-        cfg["noise_density"], cfg["mean_span"]).items()} for i in range(n_batches)]
-    with torch.no_grad():
-        outs = {name: [m(**b) for b in batches] for name, (m, _, _) in models.items()}
-    loss = {name: sum(o[1].item() for o in out) / n_batches for name, out in outs.items()}
+    loss, rel = dict.fromkeys(models, 0.0), dict.fromkeys(models, 0.0)
+    for i in range(n_batches):  # a batch at a time: a BPE model's logits are 300 MB a batch
+        outs = {name: m(**{k: v.to(device) for k, v in get_batch(
+            data, c["arch"], 12, c["block_size"], batch_rng(0, i), tokens, meta["vocab_size"], cfg["mask_prob"],
+            cfg["noise_density"], cfg["mean_span"]).items()}) for name, (m, _, _) in models.items()}
+        for name, (logits, batch_loss) in outs.items():
+            loss[name] += batch_loss.item() / n_batches
+            rel[name] = max(rel[name], ((logits - outs["fp32"][0]).abs().max() / outs["fp32"][0].abs().max()).item())
     print(f"{out_dir} ({cfg['dataset']}, {n_batches} val batches of 12): loss; max |logit difference| / max |logit|")
-    for name, out in outs.items():
-        rel = max(((a[0] - b[0]).abs().max() / a[0].abs().max()).item() for a, b in zip(outs["fp32"], out))
-        print(f"  {name:<20} {loss[name]:.4f} ({loss[name] - loss['fp32']:+.4f})  {rel:.4f}")
+    for name in models:
+        print(f"  {name:<20} {loss[name]:.4f} ({loss[name] - loss['fp32']:+.4f})  {rel[name]:.4f}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Decoding one token at a time is bound by reading the weights, so smaller weights
 a kernel multiplies them without first writing them out in floating point. Both layers hand torch's
 kernels bf16 activations: on a CPU those kernels are vectorized (AVX2, AVX-512) for bf16 only, and
 fp32 activations take a scalar loop, 4x (int8) and 9x (int4) slower than fp32's own product (the
-measurements: docs/quantize_notes_draft.md). Each kernel accumulates in fp32 and rounds its output
+measurements: docs/performance.md). Each kernel accumulates in fp32 and rounds its output
 to bf16; the result comes back in the dtype the layer was called with."""
 
 import torch
@@ -128,11 +128,50 @@ def quantize_int4(model, group_size=128):
 
 
 def decode_layout(model):
-    """Store each Linear layer's weight W (out, in) as the transpose of a contiguous (in, out)
-    matrix, in place; values, shapes and names stay. F.linear then computes x @ Wᵀ as a plain
-    product, which on a CPU streams a matrix-vector product's weights faster (bench.py sample times
-    both layouts). A tied embedding then reads its rows strided: one row per token."""
+    """Lay each Linear layer out for decoding on a CPU, in place; values, shapes and names stay.
+    Its weight W (out, in) is stored as the transpose of a contiguous (in, out) matrix, so F.linear
+    computes x @ Wᵀ as a plain product, which streams a matrix-vector product's weights faster; and a
+    layer of SPLIT_BYTES or more becomes a SplitLinear (bench.py sample times both layouts). A tied
+    embedding then reads its rows strided: one row per token."""
     for m in model.modules():
         if isinstance(m, nn.Linear):
             m.weight.data = m.weight.data.t().contiguous().t()
-    return model
+    parts = lambda m: min(torch.get_num_threads(), m.weight.nbytes // SPLIT_BYTES)  # noqa: E731
+    return replace_linears(model, lambda m: SplitLinear(m, parts(m)) if parts(m) > 1 else m)
+
+
+SPLIT_BYTES = 2 ** 21  # below about 2 MB a block, splitting costs more than it saves
+
+
+class SplitLinear(nn.Linear):
+    """A Linear layer whose product with one row of input runs on several cores. torch's fp32
+    matrix-vector product on a CPU runs on one core, which reads the weights at about half the rate
+    that two do (docs/performance.md). A batched product runs its batch on all of torch's threads:
+    so the (in, out) weight's columns are viewed, without a copy, as `parts` blocks (parts, in,
+    out / parts), and the row multiplies each block at once. Several rows (a prompt) take torch's
+    own multi-threaded product."""
+
+    def __init__(self, linear, parts):
+        super().__init__(linear.in_features, linear.out_features, bias=False)
+        self.weight, self.bias, self.parts = linear.weight, linear.bias, parts  # the same tensors: ties hold
+
+    def forward(self, x):
+        if x.numel() != x.size(-1):  # a prompt
+            return F.linear(x, self.weight, self.bias)
+        y = split_mv(x.reshape(1, -1), self.weight.t(), self.parts)
+        return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
+
+
+@torch.library.custom_op("nanoformer::split_mv", mutates_args=())
+def split_mv(x: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
+    """x (1, in) @ w (in, out), contiguous, as one batched product of `parts` column blocks. An operator of
+    its own, so that torch.compile calls it as it is (inductor would rewrite a bmm of one row as a sum)."""
+    q = w.size(1) // parts  # a block's columns; the last out % parts take a plain product
+    blocks = w[:, :parts * q].reshape(w.size(0), parts, q).transpose(0, 1)  # (parts, in, q): a view
+    y = torch.bmm(x.reshape(1, 1, -1).expand(parts, 1, -1), blocks).view(1, parts * q)
+    return y if parts * q == w.size(1) else torch.cat([y, x @ w[:, parts * q:]], dim=1)
+
+
+@split_mv.register_fake
+def _(x, w, parts):
+    return x.new_empty(1, w.size(1))

@@ -236,8 +236,8 @@ def test_lm_evaluation_harness_gives_the_same_numbers(exported, in_process):
         f"task: nano_text\n{common}dataset_kwargs:\n  data_files:\n    test: {d / 'doc.jsonl'}\n"
         "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
         "metric_list:\n  - metric: bits_per_byte\n")
-    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d / exported.export},dtype=float32", device="cpu",
-                                  tasks=["nano_mc", "nano_text"], batch_size=4,
+    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d / exported.export},dtype=float32",
+                                  device="cpu", tasks=["nano_mc", "nano_text"], batch_size=4,
                                   task_manager=TaskManager(include_path=str(d / "tasks")))["results"]
     for task, args in (("mc", ["--tasks=mc.jsonl", "--out=h_mc.json"]),
                        ("text", ["--text=doc.txt", "--out=h_text.json"])):

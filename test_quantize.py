@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 from generate import generate
-from quantize import Int4Linear, Int8Linear, int4_groups, quantize_int4, quantize_int8
+import quantize as q
+from quantize import Int4Linear, Int8Linear, SplitLinear, decode_layout, int4_groups, quantize_int4, quantize_int8
 
 V = 61  # tiny_model's vocabulary
 BF16 = 2.0**-8  # the relative rounding of a bf16 (8 significant bits), to nearest
@@ -175,4 +176,47 @@ def test_a_quantized_mixture_of_experts_decodes_though_most_experts_get_no_token
 @pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32)], ids=["int8", "int4"])
 def test_a_quantized_model_decodes_the_same_through_the_compiled_step(tiny_model, quantize):
     model, idx = quantize(tiny_model(pos="rope")), prompt(4)  # inductor lowers torch's kernels itself
+    assert torch.equal(generate(model, idx, 6, temperature=0, compile=True), generate(model, idx, 6, temperature=0))
+
+
+@pytest.mark.parametrize("parts, bias", [(2, True), (3, False), (4, True)])
+def test_a_split_linear_computes_the_linear_product_for_one_row_and_many(parts, bias):
+    """Column blocks of the (in, out) weight, each a view, multiplied at once (out = 50 is no multiple
+    of 3 or 4: the rest takes a plain product); fp32 sums of `in` terms, in another order."""
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 50, bias=bias)
+    linear.weight.data = linear.weight.data.t().contiguous().t()  # as decode_layout stores it
+    split = SplitLinear(linear, parts)
+    assert split.weight is linear.weight and split.bias is linear.bias  # no copy: a tie holds
+    for x in (torch.randn(1, 1, 24), torch.randn(24), torch.randn(2, 3, 24)):  # one row, a vector, a prompt
+        exact = x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)
+        bound = 25 * FP32 * (x.double().abs() @ linear.weight.double().abs().T) + FP32 * exact.abs()
+        got = split(x)
+        assert got.shape == exact.shape and ((got.double() - exact).abs() <= bound).all()
+
+
+def test_decode_layout_splits_the_large_layers_and_keeps_the_logits_and_the_tie(tiny_model, monkeypatch):
+    model = tiny_model(pos="rope", n_kv_head=2)
+    want = model(prompt(5))[0]
+    monkeypatch.setattr(q, "SPLIT_BYTES", 3072)  # the attention's 32 x 32 c_proj (4 kB) is less than two blocks
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # at most a block a thread
+    model = decode_layout(model)
+    split = {n: m.parts for n, m in model.named_modules() if isinstance(m, SplitLinear)}
+    assert split == {"lm_head": 2, **{f"decoder.h.{i}.{n}": 2 for i in range(2)
+                                      for n in ("attn.c_attn", "mlp.c_fc", "mlp.c_proj")}}
+    assert model.lm_head.weight is model.wte.weight  # tied still
+    assert all(m.weight.t().is_contiguous() for m in model.modules() if isinstance(m, nn.Linear))
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt(5))[0], want, rtol=1e-5, atol=1e-5)  # the prompt: F.linear
+        a = generate(model, prompt(3), 6, temperature=0)  # the steps: one row, split
+        b = generate(tiny_model(pos="rope", n_kv_head=2), prompt(3), 6, temperature=0)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
+def test_split_layers_decode_the_same_through_the_compiled_step(tiny_model, monkeypatch):
+    monkeypatch.setattr(q, "SPLIT_BYTES", 3072)  # as above: most layers split in two
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    model, idx = decode_layout(tiny_model(pos="rope")), prompt(4)
+    assert sum(isinstance(m, SplitLinear) for m in model.modules()) == 7  # split_mv is an operator inductor calls
     assert torch.equal(generate(model, idx, 6, temperature=0, compile=True), generate(model, idx, 6, temperature=0))

@@ -8,6 +8,7 @@ copied in) with gpt2-124m-f32.gguf and gpt2-124m-q8_0.gguf (Q4_0 is made here).
     pip install llama-cpp-python    # builds llama.cpp (minutes)
     python tools/llamacpp_compare.py DIR            # greedy tokens
     python tools/llamacpp_compare.py DIR speed      # tokens/s
+    python tools/llamacpp_compare.py DIR speed compile   # and nanoformer's through the compiled step
 """
 import os
 import sys
@@ -72,9 +73,14 @@ if "speed" in sys.argv:
     idx = torch.arange(100, 116)[None]
     runs["nanoformer fp32"] = lambda: generate(model, idx, 256, temperature=0)
     from quantize import quantize_int4, quantize_int8
+    models = {"fp32": model}
     for q, f in (("int8", quantize_int8), ("int4 g128", quantize_int4)):
         m = f(hf.from_pretrained(f"{DIR}/gpt2-124m")).eval()
         runs[f"nanoformer {q}"] = lambda m=m: generate(m, idx, 256, temperature=0)
+        models[q] = m
+    if "compile" in sys.argv:  # the same three through the compiled decode step
+        for q, m in models.items():
+            runs[f"nanoformer {q}, compiled"] = lambda m=m: generate(m, idx, 256, temperature=0, compile=True)
     times = {k: [] for k in runs}
     with torch.no_grad():
         for k, r in runs.items():
@@ -83,4 +89,4 @@ if "speed" in sys.argv:
             for k, r in runs.items():
                 t = time.perf_counter(); r(); times[k].append(time.perf_counter() - t)
     for k, ts in times.items():
-        print(f"{k:18} {256 / min(ts):7.1f} tokens/s (best of 3)")
+        print(f"{k:28} {256 / min(ts):7.1f} tokens/s (best of 3)")

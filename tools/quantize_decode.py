@@ -1,6 +1,7 @@
 """Greedy decoding tokens/s at batch 1 of a GPT-2-124M-shaped model (random weights), fp32 as
-sample.py lays it out on a CPU (decode_layout) against int8 (before: fp32 activations into torch's
-int8 kernel; after: bf16 ones) and int4, the decoders taking turns in every round; medians.
+sample.py lays it out on a CPU (decode_layout; and without its SplitLinear layers) against int8
+(before: fp32 activations into torch's int8 kernel; after: bf16 ones) and int4, the decoders taking
+turns in every round; medians.
 
     PYTHONPATH=. python tools/quantize_decode.py ROUNDS NEW_TOKENS [THREADS]   # e.g. 5 64 1
 """
@@ -13,6 +14,7 @@ import torch
 
 from generate import generate
 from model import ModelConfig, Transformer, autocast_dtype
+import quantize
 from quantize import Int8Linear, decode_layout, quantize_int4, quantize_int8
 
 ROUNDS, NEW = int(sys.argv[1]), int(sys.argv[2])
@@ -36,7 +38,11 @@ before = quantize_int8(copy.deepcopy(model))
 for m in before.modules():
     if isinstance(m, Int8Linear):
         m.__class__ = Int8LinearBefore
+split_bytes, quantize.SPLIT_BYTES = quantize.SPLIT_BYTES, 2**62  # no layer is that large: none split
+unsplit = decode_layout(copy.deepcopy(model))
+quantize.SPLIT_BYTES = split_bytes
 decoders = {"fp32 (decode_layout)": decode_layout(copy.deepcopy(model)),
+            "fp32 (decode_layout, not split)": unsplit,
             "int8, before (fp32 into the kernel)": before,
             "int8 (bf16 into the kernel)": quantize_int8(copy.deepcopy(model)),
             **{f"int4, group {g}": quantize_int4(copy.deepcopy(model), g) for g in (32, 64, 128)}}

@@ -2,18 +2,19 @@
 Each call reads its weights from memory (a 64 MiB buffer is written between calls, twice the L3), as
 decoding does; variants take turns in every round; the median of all calls.
 
-    PYTHONPATH=. python tools/quantize_products.py ROUNDS all [THREADS]   # e.g. 5 all 1
+    PYTHONPATH=. python tools/quantize_products.py ROUNDS all [THREADS]   # e.g. 5 all 1; 5 fp32 2: the fp32 forms
 """
 import statistics
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quantize import Int4Linear, Int8Linear
+from quantize import Int4Linear, Int8Linear, SplitLinear
 
 torch.manual_seed(0)
 warnings.filterwarnings("ignore", message=".*quantize_per")
@@ -25,6 +26,13 @@ ONLY = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] != "all" else
 G = 128
 int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 flush = torch.zeros(2**24)  # 64 MiB
+pool = ThreadPoolExecutor(1)
+
+
+def halves(x, wt):  # x @ wt, (in, out), its two column halves on two Python threads (torch's own threads spin)
+    n = wt.size(1) // 2
+    other = pool.submit(torch.mm, x, wt[:, :n])
+    return torch.cat([other.result(), torch.mm(x, wt[:, n:])], 1)
 
 
 def q8(w):
@@ -103,9 +111,13 @@ def variants(N, K):
     linear = nn.Linear(K, N, bias=False)
     linear.weight.data = w
     int8, int4 = Int8Linear(linear), Int4Linear(linear, G)
+    split = SplitLinear(nn.Linear(K, N, bias=False), torch.get_num_threads())
+    split.weight.data = wT
     return {  # name: (fn, weight bytes read)
         "fp32 F.linear, (out,in)": (lambda x: F.linear(x, w), 4 * N * K),
         "fp32 F.linear, decode_layout": (lambda x: F.linear(x, wT), 4 * N * K),
+        "fp32 SplitLinear (bmm of column blocks)": (split, 4 * N * K),
+        "fp32 two Python threads, a half each": (lambda x: halves(x, wT.t()), 4 * N * K),
         "bf16 F.linear": (lambda x: F.linear(x.bfloat16(), wb).float(), 2 * N * K),
         "fp16 onednn.linear_dynamic_fp16": (lambda x: torch.ops.onednn.linear_dynamic_fp16(x, fp16, None), 2 * N * K),
         "int8 _weight_int8pack_mm fp32": (lambda x: torch._weight_int8pack_mm(x, w8, s8), b8),
