@@ -111,6 +111,23 @@ def test_int4_linear_computes_its_dequantized_product_and_is_8x_smaller(group_si
         assert q(x).dtype == linear(x).dtype == torch.bfloat16
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's int4 and int8 paths (tools/gpu.sh tests runs them)")
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_on_cuda_int4_and_int8_layers_compute_their_dequantized_products(group_size):
+    """CUDA's int4 kernel (_weight_int4pack_mm, its own packing) and int8's bf16 product. The bound
+    allows a third bf16 rounding: a GPU kernel may dequantize each weight to bf16 before multiplying."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 40).cuda()
+    x = torch.randn(2, 5, 256, device="cuda")
+    with torch.no_grad():
+        q4, q8 = Int4Linear(linear, group_size), Int8Linear(linear)
+        assert q4.weight.dim() == 4  # CUDA's packing
+        assert_within_rounding(q4(x).cpu(), x.cpu(), dequantized_int4(linear.weight.cpu(), group_size),
+                               linear.bias.cpu(), 3)
+        w8 = q8.weight.double() * q8.scale.view(torch.bfloat16).double()[:, None]
+        assert_within_rounding(q8(x).cpu(), x.cpu(), w8.cpu(), linear.bias.cpu(), 3)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantize_int4_keeps_the_logits_of_every_arch(tiny_model, arch):
     model = tiny_model(**ARCHS[arch])
