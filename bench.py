@@ -310,13 +310,13 @@ def quantized_quality(out_dir, device, n_batches=50):
     cfg, meta, c, tokens = (models["fp32"][2][k] for k in ("train_config", "meta", "model_config", "tokens"))
     data = np.memmap(os.path.join(cfg["data_dir"], cfg["dataset"], "val.bin"), dtype=meta["dtype"], mode="r")
     loss, rel = dict.fromkeys(models, 0.0), dict.fromkeys(models, 0.0)
-    for i in range(n_batches):  # a batch at a time: a BPE model's logits are 300 MB a batch
-        outs = {name: m(**{k: v.to(device) for k, v in get_batch(
-            data, c["arch"], 12, c["block_size"], batch_rng(0, i), tokens, meta["vocab_size"], cfg["mask_prob"],
-            cfg["noise_density"], cfg["mean_span"]).items()}) for name, (m, _, _) in models.items()}
-        for name, (logits, batch_loss) in outs.items():
-            loss[name] += batch_loss.item() / n_batches
-            rel[name] = max(rel[name], ((logits - outs["fp32"][0]).abs().max() / outs["fp32"][0].abs().max()).item())
+    for i in range(n_batches):  # a batch at a time, a model at a time: a BPE model's logits are 300 MB a batch
+        b = {k: v.to(device) for k, v in get_batch(data, c["arch"], 12, c["block_size"], batch_rng(0, i), tokens,
+             meta["vocab_size"], cfg["mask_prob"], cfg["noise_density"], cfg["mean_span"]).items()}
+        for name, (m, _, _) in models.items():  # fp32 first: the reference
+            logits, batch_loss = m(**b)
+            ref, loss[name] = logits if name == "fp32" else ref, loss[name] + batch_loss.item() / n_batches
+            rel[name] = max(rel[name], ((logits - ref).abs().max() / ref.abs().max()).item())
     print(f"{out_dir} ({cfg['dataset']}, {n_batches} val batches of 12): loss; max |logit difference| / max |logit|")
     for name in models:
         print(f"  {name:<20} {loss[name]:.4f} ({loss[name] - loss['fp32']:+.4f})  {rel[name]:.4f}")

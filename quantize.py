@@ -137,7 +137,8 @@ def decode_layout(model):
         if isinstance(m, nn.Linear):
             m.weight.data = m.weight.data.t().contiguous().t()
     parts = lambda m: min(torch.get_num_threads(), m.weight.nbytes // SPLIT_BYTES)  # noqa: E731
-    return replace_linears(model, lambda m: SplitLinear(m, parts(m)) if parts(m) > 1 else m)
+    fp32 = lambda m: type(m) is nn.Linear and m.weight.dtype == torch.float32  # noqa: E731
+    return replace_linears(model, lambda m: SplitLinear(m, parts(m)) if fp32(m) and parts(m) > 1 else m)
 
 
 SPLIT_BYTES = 2 ** 21  # below about 2 MB a block, splitting costs more than it saves
@@ -149,14 +150,16 @@ class SplitLinear(nn.Linear):
     that two do (docs/performance.md). A batched product runs its batch on all of torch's threads:
     so the (in, out) weight's columns are viewed, without a copy, as `parts` blocks (parts, in,
     out / parts), and the row multiplies each block at once. Several rows (a prompt) take torch's
-    own multi-threaded product."""
+    own multi-threaded product, as do other dtypes (torch's bf16 bmm would copy the blocks at every
+    call), autocast and autograd."""
 
     def __init__(self, linear, parts):
-        super().__init__(linear.in_features, linear.out_features, bias=False)
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")  # no weight of its own
         self.weight, self.bias, self.parts = linear.weight, linear.bias, parts  # the same tensors: ties hold
 
     def forward(self, x):
-        if x.numel() != x.size(-1):  # a prompt
+        if (x.numel() != x.size(-1) or self.weight.dtype != torch.float32 or torch.is_grad_enabled()
+                or torch.is_autocast_enabled(x.device.type)):
             return F.linear(x, self.weight, self.bias)
         y = split_mv(x.reshape(1, -1), self.weight.t(), self.parts)
         return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)

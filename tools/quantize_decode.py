@@ -1,5 +1,5 @@
 """Greedy decoding tokens/s at batch 1 of a GPT-2-124M-shaped model (random weights), fp32 as
-sample.py lays it out on a CPU (decode_layout; and without its SplitLinear layers) against int8
+sample.py lays it out on a CPU (decode_layout; and with its SplitLinear on the head only, or none) against int8
 (before: fp32 activations into torch's int8 kernel; after: bf16 ones) and int4, the decoders taking
 turns in every round; medians.
 
@@ -38,11 +38,12 @@ before = quantize_int8(copy.deepcopy(model))
 for m in before.modules():
     if isinstance(m, Int8Linear):
         m.__class__ = Int8LinearBefore
-split_bytes, quantize.SPLIT_BYTES = quantize.SPLIT_BYTES, 2**62  # no layer is that large: none split
-unsplit = decode_layout(copy.deepcopy(model))
+split_bytes, laid_out = quantize.SPLIT_BYTES, {}
+for name, limit in (("not split", 2**62), ("only the head split", 2**24)):  # no layer that large; only the head
+    quantize.SPLIT_BYTES = limit
+    laid_out[f"fp32 (decode_layout, {name})"] = decode_layout(copy.deepcopy(model))
 quantize.SPLIT_BYTES = split_bytes
-decoders = {"fp32 (decode_layout)": decode_layout(copy.deepcopy(model)),
-            "fp32 (decode_layout, not split)": unsplit,
+decoders = {"fp32 (decode_layout)": decode_layout(copy.deepcopy(model)), **laid_out,
             "int8, before (fp32 into the kernel)": before,
             "int8 (bf16 into the kernel)": quantize_int8(copy.deepcopy(model)),
             **{f"int4, group {g}": quantize_int4(copy.deepcopy(model), g) for g in (32, 64, 128)}}

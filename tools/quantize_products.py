@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quantize import Int4Linear, Int8Linear, SplitLinear
+from quantize import SPLIT_BYTES, Int4Linear, Int8Linear, SplitLinear
 
 torch.manual_seed(0)
 warnings.filterwarnings("ignore", message=".*quantize_per")
@@ -32,7 +32,8 @@ pool = ThreadPoolExecutor(1)
 def halves(x, wt):  # x @ wt, (in, out), its two column halves on two Python threads (torch's own threads spin)
     n = wt.size(1) // 2
     other = pool.submit(torch.mm, x, wt[:, :n])
-    return torch.cat([other.result(), torch.mm(x, wt[:, n:])], 1)
+    mine = torch.mm(x, wt[:, n:])  # while the other thread multiplies its half
+    return torch.cat([other.result(), mine], 1)
 
 
 def q8(w):
@@ -111,12 +112,14 @@ def variants(N, K):
     linear = nn.Linear(K, N, bias=False)
     linear.weight.data = w
     int8, int4 = Int8Linear(linear), Int4Linear(linear, G)
-    split = SplitLinear(nn.Linear(K, N, bias=False), torch.get_num_threads())
-    split.weight.data = wT
+    parts = min(torch.get_num_threads(), 4 * N * K // SPLIT_BYTES)  # as decode_layout splits: 1, a plain product
+    split = SplitLinear(nn.Linear(K, N, bias=False), parts) if parts > 1 else (lambda x: F.linear(x, wT))
+    if parts > 1:
+        split.weight.data = wT
     return {  # name: (fn, weight bytes read)
         "fp32 F.linear, (out,in)": (lambda x: F.linear(x, w), 4 * N * K),
         "fp32 F.linear, decode_layout": (lambda x: F.linear(x, wT), 4 * N * K),
-        "fp32 SplitLinear (bmm of column blocks)": (split, 4 * N * K),
+        "fp32 SplitLinear (as decode_layout splits)": (split, 4 * N * K),
         "fp32 two Python threads, a half each": (lambda x: halves(x, wT.t()), 4 * N * K),
         "bf16 F.linear": (lambda x: F.linear(x.bfloat16(), wb).float(), 2 * N * K),
         "fp16 onednn.linear_dynamic_fp16": (lambda x: torch.ops.onednn.linear_dynamic_fp16(x, fp16, None), 2 * N * K),
