@@ -130,9 +130,10 @@ def quantize_int4(model, group_size=128):
 def decode_layout(model):
     """Lay each Linear layer out for decoding on a CPU, in place; values, shapes and names stay.
     Its weight W (out, in) is stored as the transpose of a contiguous (in, out) matrix, so F.linear
-    computes x @ Wᵀ as a plain product, which streams a matrix-vector product's weights faster; and a
-    layer of SPLIT_BYTES or more becomes a SplitLinear (bench.py sample times both layouts). A tied
-    embedding then reads its rows strided: one row per token."""
+    computes x @ Wᵀ as a plain product, which streams a matrix-vector product's weights faster (bench.py
+    sample times both layouts); and a plain fp32 nn.Linear of two SPLIT_BYTES or more becomes a
+    SplitLinear, in blocks of SPLIT_BYTES or more, one a thread at most. A tied embedding then reads its
+    rows strided: one row per token."""
     for m in model.modules():
         if isinstance(m, nn.Linear):
             m.weight.data = m.weight.data.t().contiguous().t()
