@@ -162,18 +162,22 @@ class SplitLinear(nn.Linear):
         if (x.numel() != x.size(-1) or self.weight.dtype != torch.float32 or torch.is_grad_enabled()
                 or torch.is_autocast_enabled(x.device.type)):
             return F.linear(x, self.weight, self.bias)
-        y = split_mv(x.reshape(1, -1), self.weight.t(), self.parts)
+        mv = split_mv if torch.compiler.is_compiling() else split_product  # see split_mv
+        y = mv(x.reshape(1, -1), self.weight.t(), self.parts)
         return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
 
 
-@torch.library.custom_op("nanoformer::split_mv", mutates_args=())
-def split_mv(x: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
-    """x (1, in) @ w (in, out), contiguous, as one batched product of `parts` column blocks. An operator of
-    its own, so that torch.compile calls it as it is (inductor would rewrite a bmm of one row as a sum)."""
+def split_product(x: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
+    """x (1, in) @ w (in, out), contiguous, as one batched product of `parts` column blocks."""
     q = w.size(1) // parts  # a block's columns; the last out % parts take a plain product
     blocks = w[:, :parts * q].reshape(w.size(0), parts, q).transpose(0, 1)  # (parts, in, q): a view
     y = torch.bmm(x.reshape(1, 1, -1).expand(parts, 1, -1), blocks).view(1, parts * q)
     return y if parts * q == w.size(1) else torch.cat([y, x @ w[:, parts * q:]], dim=1)
+
+
+# The same as an operator of its own, for torch.compile, which calls it as it is (inductor would rewrite a
+# bmm of one row as a slower sum). Eager calls the function: an operator's first call costs most of a second.
+split_mv = torch.library.custom_op("nanoformer::split_mv", split_product, mutates_args=())
 
 
 @split_mv.register_fake

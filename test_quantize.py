@@ -217,7 +217,7 @@ def test_a_split_linear_computes_the_linear_product_for_one_row_and_many(parts, 
 
 def test_a_split_linear_splits_only_fp32_rows_without_autograd_or_autocast(monkeypatch):
     calls = []
-    monkeypatch.setattr(q, "split_mv", lambda *a: calls.append(1) or torch.ops.nanoformer.split_mv(*a))
+    monkeypatch.setattr(q, "split_product", lambda *a: calls.append(1) or torch.ops.nanoformer.split_mv(*a))
     linear = nn.Linear(32, 64)
     split, row = SplitLinear(linear, 2), torch.randn(1, 32)
     with torch.no_grad():
