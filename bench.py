@@ -32,9 +32,9 @@ import torch
 
 import kernels
 from checkpoint import load_model
-from common import UsageError, check_ranges, parse_settings, usage
+from common import UsageError, check_ranges, parse_settings, sizes, usage
 from data import batch_rng, get_batch, load_data, new_model_config, special_tokens
-from device import peak_flops, pick_device, pick_dtype, precision, precision_name, timed
+from device import peak_flops, pick_device, pick_dtype, precision, precision_name, run_script, timed
 from efficient import LinearState, PerformerState
 from generate import cache_size, decode, generate, piece_size, speculative_generate
 from optim import make_optimizer, optimizer_step
@@ -335,14 +335,6 @@ class AttentionConfig:
     no_math: bool = False  # skip the math path, which writes out T x T: slow and memory-hungry
 
 
-def sizes(cfg, key):
-    """A list setting (--seqs=1024,4096, or one value, --seqs=1024) as a tuple of positive ints."""
-    value = getattr(cfg, key) if isinstance(getattr(cfg, key), tuple) else (getattr(cfg, key),)
-    if not value or not all(type(x) is int and x > 0 for x in value):
-        raise UsageError(f"{key}={getattr(cfg, key)!r} should be positive whole numbers: write --{key}=1024,4096")
-    return value
-
-
 def _math_attention(q, k, v, causal):
     """Attention that writes out the T x T matrix, as model.py's math path does."""
     s = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5  # (B, H, T, T)
@@ -542,8 +534,4 @@ def help_of(name):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UsageError as e:
-        print(f"bench.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main, "bench.py")

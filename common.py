@@ -190,6 +190,14 @@ def check_ranges(cfg, table):
 CACHE = os.environ.get("NANOFORMER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanoformer"))
 
 
+def sizes(cfg, key, example="1024,4096"):
+    """A list setting (--seqs=1024,4096, or one value, --seqs=1024) as a tuple of positive ints."""
+    value = getattr(cfg, key) if isinstance(getattr(cfg, key), tuple) else (getattr(cfg, key),)
+    if not value or not all(type(x) is int and x > 0 for x in value):
+        raise UsageError(f"{key}={getattr(cfg, key)!r} should be positive whole numbers: write --{key}={example}")
+    return value
+
+
 def read_text_file(path, what, fix=""):
     """A UTF-8 text file's contents; a missing file, a folder or other bytes stop with one line that
     names it as `what` ("prompt file"), then `fix`."""

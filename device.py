@@ -135,17 +135,17 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
-def run_script(main, name, oom_hint):
-    """python NAME.py: exit with main(argv)'s status; bad input (UsageError) and running out of
-    memory (then with oom_hint, what to try) as one line and status 2. Any other error is a bug, and
-    keeps its traceback."""
+def run_script(main, name, oom_hint=None):
+    """python NAME.py: exit with main(argv)'s status; bad input (UsageError) and, given oom_hint (what
+    to try), running out of memory as one line and status 2. Any other error is a bug, and keeps its
+    traceback."""
     try:
         sys.exit(main(sys.argv[1:]))
     except UsageError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeErrors
-        if (oom := out_of_memory(e)) is None:
+        if oom_hint is None or (oom := out_of_memory(e)) is None:
             raise
         print(f"{name}: error: {oom}: {oom_hint}", file=sys.stderr)
         sys.exit(2)

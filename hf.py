@@ -20,7 +20,6 @@ import json
 import math
 import os
 import re
-import sys
 from collections import namedtuple
 from functools import partial
 from dataclasses import asdict, dataclass, fields, replace
@@ -31,6 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint import describe, load_plain, load_run
 from common import UsageError, check_ranges, parse_settings, usage
+from device import run_script
 from data import special_tokens
 from lora import save_peft
 from tokenizer import Tokenizer, hf_files, token_names, tokenizer_meta
@@ -543,8 +543,4 @@ def in_use(model, ckpt):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UsageError as e:
-        print(f"hf.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main, "hf.py")

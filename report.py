@@ -28,6 +28,7 @@ import torch
 
 from common import UsageError, check_ranges, flag_meant, owners, parse_settings, usage, write_atomic
 from data import span_corrupt
+from device import run_script
 from distributed import sharded
 from generate import generate
 from model import ModelConfig, Transformer
@@ -465,8 +466,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UsageError as e:
-        print(f"report.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main, "report.py")

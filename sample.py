@@ -34,7 +34,7 @@ from device import pick_device, pick_dtype, precision, precision_name, run_scrip
 from generate import absolute_positions, generate, generate_tokens, speculative_generate
 from model import ATTENTIONS
 from pages import write_attention
-from quantize import Int4Linear, Int8Linear
+from quantize import INT4_GROUP_SIZES, Int4Linear, Int8Linear
 from sampling import sample
 
 MASK = "[MASK]"
@@ -67,7 +67,7 @@ class SampleConfig:
 
 RENAMED = {"attention": "attention_page"}  # old name: new name; the old one still works, with a notice
 # the values each setting may take, beyond its type
-RANGES = dict(ckpt=("best", "latest"), quantize=("", "int8", "int4"), group_size=(32, 64, 128, 256),
+RANGES = dict(ckpt=("best", "latest"), quantize=("", "int8", "int4"), group_size=INT4_GROUP_SIZES,
               max_new_tokens="[0, inf)", temperature="[0, inf)", top_k="[1, inf)", top_p="(0, 1]",
               num_samples="[1, inf)", draft_k="[1, inf)", attention_tokens="[1, inf)", seed="[0, inf)")
 
@@ -137,7 +137,8 @@ def main(argv):
         raise UsageError(f"an {arch} fills in blanks, one prompt at a time: leave out --batch and --draft_dir")
     if MASK not in prompt and not continues:
         raise UsageError(f"an {arch} fills in blanks: put {MASK} in --start where text is missing")
-    draft = load_draft(cfg.draft_dir, model, tok, device, cfg.quantize, cfg.ckpt, cfg.group_size) if cfg.draft_dir else None
+    draft = (load_draft(cfg.draft_dir, model, tok, device, cfg.quantize, cfg.ckpt, cfg.group_size)
+             if cfg.draft_dir else None)
     refusals(cfg, model, draft)
     if draft is not None:  # each mode: (model, tok, prompt, cfg, device) -> Result
         mode = partial(speculate, draft=draft)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common import UsageError, check_ranges, parse_settings, write_atomic
+from common import UsageError, check_ranges, parse_settings, sizes, write_atomic
 from data import load_data, new_model_config
 from model import ModelConfig, Transformer
 from optim import budget_seconds
@@ -297,16 +297,14 @@ def ladder(cfg, args):
     """The runs: the config at each width, n_head = n_embd / its head size (its query heads per key/value
     head kept). Width rather than depth: N grows as the width squared, so three sizes a factor 2 apart
     span 16x in N, each with the config's layers and heads of the same size."""
-    sizes = cfg.sizes if isinstance(cfg.sizes, tuple) else (cfg.sizes,)
-    if not sizes or not all(type(s) is int and s > 0 for s in sizes):
-        raise UsageError(f"sizes={cfg.sizes!r} should be positive whole numbers: write --sizes=64,128,256")
-    if len(set(sizes)) < 3:
+    widths = sorted(set(sizes(cfg, "sizes", "64,128,256")))
+    if len(widths) < 3:
         raise UsageError(f"sizes={cfg.sizes!r}: fitting E + A / N^alpha takes 3 sizes or more, as --sizes=64,128,256")
     path = cfg.config if os.path.exists(cfg.config) or cfg.config != ScalingConfig.config else ours(cfg.config)
     base = check_run([path, *args])[1]
     hs, group = base.head_size, base.n_head // base.n_kv_head
     runs = []
-    for s in sorted(set(sizes)):
+    for s in widths:
         if s % (hs * group):
             raise UsageError(f"--sizes: {s} is not a multiple of {hs * group}: n_head = n_embd / the head size "
                              f"({hs}){f', a multiple of the {group} query heads per key/value head' * (group > 1)}")
