@@ -118,8 +118,7 @@ class ModelConfig:
                      "proj_len", "bucket_size", "n_hashes", "sparse_block"):
             if getattr(self, name) is not None and getattr(self, name) < 1:  # None: derived below
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
+        self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}: "
                              f"choose n_kv_head among {[d for d in range(1, self.n_head + 1) if self.n_head % d == 0]}")
@@ -343,8 +342,7 @@ def attention(q, k, v, mask, dropout=0.0):
     att = ((q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)).float()  # (B, nh, Tq, Tk); scaling q costs less
     if causal:  # in place: the product's backward needs q and k, not att
         att.masked_fill_(torch.ones(att.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    if bias is not None:
-        att = att + bias
+    att = att if bias is None else att + bias
     att = att.softmax(dim=-1).type_as(q)
     return F.dropout(att, dropout) @ v, att
 
@@ -473,7 +471,7 @@ class Attention(nn.Module):
         if self.kind == "lsh":
             return efficient.lsh_attention(q, v, self.rotations, c.bucket_size, mask.causal, mask.valid)
         if isinstance(self.cache, KVCache):
-            k, v = self.cache(k, v, mask.slots)
+            k, v = (t[:, :, :mask.bias.size(-1)] for t in self.cache(k, v, mask.slots))  # the keys the mask has
         if self.random_blocks is not None:  # BigBird: the random blocks' keys too, unless they are padding
             see = efficient.random_mask(self.random_blocks, q.size(2), c.sparse_block)  # (nh, T, T)
             see = see if mask.valid is None else see & mask.valid[:, None, None, :]
@@ -624,7 +622,9 @@ class Stack(nn.Module):
             p, g = pos.amax(0), c.n_global  # global tokens keep the first slots: attention sinks
             slots = own = torch.where(p < g, p, g + (p - g) % (self.cache_pos.size(1) - g))
             self.cache_pos.index_copy_(1, slots, keys.expand(x.size(0), T))
-            keys = self.cache_pos
+            keys = self.cache_pos  # on a CPU, eager, the queries read the slots up to the last one in use only:
+            if x.device.type == "cpu" and not torch.compiler.is_compiling():  # (a GPU would stall on the sync,
+                keys = keys[:, :int((keys >= 0).any(0).nonzero().max()) + 1]  # a compiled step is static)
         window = c.window if slots is None else reach(c)
         name = "decoder" if self.causal else "encoder"
         record = (lambda what: weights.setdefault(f"{name} {what}", [])) if weights is not None else lambda what: None

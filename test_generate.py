@@ -202,15 +202,37 @@ def test_generate_rejects_an_encoder(tiny_model):
 # ----------------------------------------------------------------------------------------------
 # Fast decoding
 
-def test_decoding_never_reads_a_tensor_value_on_the_host(monkeypatch, tiny_model):
+def test_decoding_reads_a_value_on_the_host_once_a_pass_and_only_on_a_cpu(monkeypatch, tiny_model):
+    """Nothing waits for the device (gpt-fast's rule), but on a CPU, where a read waits for nothing,
+    each pass reads one value: the cache's last slot in use. A compiled step reads none (fullgraph
+    in the next test), nor does a GPU (model.py's device check)."""
     models = [tiny_model(pos="rope", n_kv_head=2), tiny_model(pos="learned", block_size=8, window=3)]
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+    for name in ("item", "tolist", "__bool__", "__float__", "__index__"):
         def refuse(*args, name=name):
             raise AssertionError(f"Tensor.{name} would wait for the device")
         monkeypatch.setattr(torch.Tensor, name, refuse)
+    reads, passes, to_int = [], [], torch.Tensor.__int__
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: (reads.append(t.device.type), to_int(t))[1])
     for model in models:  # sampling with top-k and top-p, and the crop past a learned table
+        model.register_forward_hook(lambda *args: passes.append(1))
         out = generate(model, prompt(5, B=2), 12, temperature=0.9, top_k=10, top_p=0.9)
         assert out.shape == (2, 17)
+    assert reads == ["cpu"] * len(passes) and len(passes) >= 22
+
+
+def test_on_a_cpu_a_step_attends_over_the_slots_in_use_not_the_whole_cache(monkeypatch, tiny_model):
+    """Eager on a CPU a step's queries read the cache up to its last slot in use, and get the logits
+    that the whole cache gives (as a compiled step, which reads it all, sees it)."""
+    model, logits = tiny_model(pos="rope"), []
+    for compiling in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+        model.setup_kv_cache(1, 20)
+        weights = {}
+        prefill(model, prompt(5), torch.arange(5)[None])
+        logits.append(model(prompt(1, seed=3), input_pos=torch.tensor([[5]]), weights=weights)[0])
+        assert [w.size(-1) for w in weights["decoder self-attention"]] == [20 if compiling else 6] * 2
+        model.clear_kv_cache()
+    torch.testing.assert_close(logits[0], logits[1])  # the empty slots' weights are exact zeros
 
 
 @pytest.mark.parametrize("kw", [dict(pos="rope", n_kv_head=2), dict(pos="alibi", window=4),
