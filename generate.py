@@ -64,11 +64,14 @@ def decode(model, idx, input_pos, src_mask=None):
     return model(idx, src_mask=src_mask, input_pos=input_pos)[0][:, -1]
 
 
-def compiled(device):
-    """The decode step compiled: one static graph per cache size, replayed as a CUDA graph on a GPU,
-    plain inductor code elsewhere. torch.compile keeps what it compiled with decode's code, so a
-    second call reuses it."""
-    return torch.compile(decode, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else None)
+def compiled(device, **options):
+    """The decode step compiled (options: torch.compile's): one static graph per cache size, replayed
+    as a CUDA graph on a GPU, plain inductor code elsewhere. torch.compile keeps what it compiled with
+    decode's code, so a second call reuses it. On a CPU the graph reads the cache's last slot in use
+    (model.py's Stack) and attends over that many: capture_scalar_outputs keeps the read in the graph."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    step = torch.compile(decode, dynamic=False, mode=mode, **options)
+    return torch._dynamo.config.patch(capture_scalar_outputs=True)(step)
 
 
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,

@@ -364,6 +364,7 @@ class KVCache(nn.Module):
     ring: the token at position p (of a batch's longest row) goes to slot p % size, overwriting the
     oldest. The buffers keep their shape, so torch.compile replays one graph, and a sliding-window
     cache never grows past its size. Stack.cache_pos says which position each slot holds."""
+    used_slots_on = ("cpu",)  # devices whose steps attend over the slots in use only (Stack.forward)
 
     def __init__(self, batch_size, n_kv_head, size, head_size, dtype, device):
         super().__init__()
@@ -622,9 +623,11 @@ class Stack(nn.Module):
             p, g = pos.amax(0), c.n_global  # global tokens keep the first slots: attention sinks
             slots = own = torch.where(p < g, p, g + (p - g) % (self.cache_pos.size(1) - g))
             self.cache_pos.index_copy_(1, slots, keys.expand(x.size(0), T))
-            keys = self.cache_pos  # on a CPU, eager, the queries read the slots up to the last one in use only:
-            if x.device.type == "cpu" and not torch.compiler.is_compiling():  # (a GPU would stall on the sync,
-                keys = keys[:, :int((keys >= 0).any(0).nonzero().max()) + 1]  # a compiled step is static)
+            keys = self.cache_pos
+            if x.device.type in KVCache.used_slots_on:  # one read a step: a CPU waits for nothing, a GPU would
+                last = (torch.arange(keys.size(1), device=x.device) * (keys >= 0).any(0)).max().item()
+                torch._check(last >= 0)  # a size to torch.compile, whose graph takes the read in (generate.compiled)
+                keys = keys[:, :last + 1]
         window = c.window if slots is None else reach(c)
         name = "decoder" if self.causal else "encoder"
         record = (lambda what: weights.setdefault(f"{name} {what}", [])) if weights is not None else lambda what: None
@@ -767,8 +770,7 @@ class Transformer(nn.Module):
             x = self.decoder(self.wte(idx), pos, mask, memory, src_mask, weights, mems, group, prefix_len)
             x, mems = x if mems is not None else (x, None)
         logits = self.lm_head(x)  # (B, T, vocab_size)
-        if c.logit_softcap:
-            logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap)
+        logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap) if c.logit_softcap else logits
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
@@ -825,8 +827,7 @@ class Transformer(nn.Module):
         """Give every decoder self-attention what its kind keeps (ATTENTIONS): an empty KV cache of
         `size` slots (n_kv_head heads each), a recurrent state, or nothing; and every cross-attention
         the keys and values of the encoder's output `memory`, computed once."""
-        dev = self.wte.weight.device
-        dtype = dtype or self.wte.weight.dtype
+        dev, dtype = self.wte.weight.device, dtype or self.wte.weight.dtype
         kv = ATTENTIONS[self.decoder.kind].keeps == "kv"
         for block in self.decoder.h:
             block.attn.cache = block.attn.empty_cache(batch_size, size, dtype)

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import generate as generate_module
 import model as model_module
@@ -204,33 +205,37 @@ def test_generate_rejects_an_encoder(tiny_model):
 
 def test_decoding_reads_a_value_on_the_host_once_a_pass_and_only_on_a_cpu(monkeypatch, tiny_model):
     """Nothing waits for the device (gpt-fast's rule), but on a CPU, where a read waits for nothing,
-    each pass reads one value: the cache's last slot in use. A compiled step reads none (fullgraph
-    in the next test), nor does a GPU (model.py's device check)."""
+    each pass reads one value: the cache's last slot in use. Elsewhere (KVCache.used_slots_on), no
+    read at all."""
     models = [tiny_model(pos="rope", n_kv_head=2), tiny_model(pos="learned", block_size=8, window=3)]
-    for name in ("item", "tolist", "__bool__", "__float__", "__index__"):
+    for name in ("tolist", "__bool__", "__int__", "__float__", "__index__"):
         def refuse(*args, name=name):
             raise AssertionError(f"Tensor.{name} would wait for the device")
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    reads, passes, to_int = [], [], torch.Tensor.__int__
-    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: (reads.append(t.device.type), to_int(t))[1])
+    reads, passes, item = [], [], torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: (reads.append(t.device.type), item(t))[1])
     for model in models:  # sampling with top-k and top-p, and the crop past a learned table
         model.register_forward_hook(lambda *args: passes.append(1))
-        out = generate(model, prompt(5, B=2), 12, temperature=0.9, top_k=10, top_p=0.9)
-        assert out.shape == (2, 17)
-    assert reads == ["cpu"] * len(passes) and len(passes) >= 22
+    for used_slots_on, expected in ((("cpu",), "cpu"), ((), None)):
+        monkeypatch.setattr(KVCache, "used_slots_on", used_slots_on)
+        reads.clear(), passes.clear()
+        for model in models:
+            out = generate(model, prompt(5, B=2), 12, temperature=0.9, top_k=10, top_p=0.9)
+            assert out.shape == (2, 17)
+        assert len(passes) >= 22 and reads == ([expected] * len(passes) if expected else [])
 
 
-def test_on_a_cpu_a_step_attends_over_the_slots_in_use_not_the_whole_cache(monkeypatch, tiny_model):
-    """Eager on a CPU a step's queries read the cache up to its last slot in use, and get the logits
-    that the whole cache gives (as a compiled step, which reads it all, sees it)."""
+def test_a_step_attends_over_the_slots_in_use_and_gets_the_logits_of_every_slot(monkeypatch, tiny_model):
+    """On a CPU a step's queries read the cache up to its last slot in use, and get the logits that
+    reading every slot (as a GPU does) gives."""
     model, logits = tiny_model(pos="rope"), []
-    for compiling in (False, True):
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    for used_slots_on in (("cpu",), ()):
+        monkeypatch.setattr(KVCache, "used_slots_on", used_slots_on)
         model.setup_kv_cache(1, 20)
         weights = {}
         prefill(model, prompt(5), torch.arange(5)[None])
         logits.append(model(prompt(1, seed=3), input_pos=torch.tensor([[5]]), weights=weights)[0])
-        assert [w.size(-1) for w in weights["decoder self-attention"]] == [20 if compiling else 6] * 2
+        assert [w.size(-1) for w in weights["decoder self-attention"]] == [6 if used_slots_on else 20] * 2
         model.clear_kv_cache()
     torch.testing.assert_close(logits[0], logits[1])  # the empty slots' weights are exact zeros
 
@@ -242,15 +247,19 @@ def test_the_decode_step_compiles_into_one_graph_and_matches_eager(kw, tiny_mode
     model = tiny_model(**kw)
     src = prompt(6, seed=2) if kw.get("arch") == "encoder-decoder" else None
     memory = model.encoder(model.wte(src), torch.arange(6)[None]) if src is not None else None
-    compiled = torch.compile(decode, backend="aot_eager", fullgraph=True)  # fullgraph: no breaks
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")  # fullgraph: no breaks, and one
+    compiled = generate_module.compiled(torch.device("cpu"), backend=counter, fullgraph=True)  # graph for any fill
     outs = []
     for step in (decode, compiled):
         model.setup_kv_cache(1, 16, memory)
+        for cache in (m for m in model.modules() if isinstance(m, KVCache)):  # NaN where a step must not read:
+            cache.k.fill_(float("nan")), cache.v.fill_(float("nan"))  # past the slots in use
         with torch.no_grad():
             model(prompt(3), input_pos=torch.arange(3))
             outs.append(torch.stack([step(model, prompt(1, seed=i), torch.tensor([[3 + i]])) for i in range(5)]))
         model.clear_kv_cache()
-    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], outs[1])  # both finite (assert_close takes NaN as a difference)
+    assert outs[0].isfinite().all() and counter.frame_count == 1  # five steps over 4 to 8 slots in use
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""Eager decoding on a CPU reading the KV cache up to its last slot in use (as model.py's Stack does)
-against reading every slot (as a compiled step and a GPU do; here by telling the model that it is being
-compiled): the GPT-2-124M-shaped model of `bench.py sample` (random weights, batch 1, greedy, NEW tokens
-after 16) in int8 and int4 (groups of 128; not fp32, whose SplitLinear would take its compiled path too);
-tokens/s at the best of 3 rounds taken in turn, and whether both give the same tokens.
+"""Decoding on a CPU that attends over the KV cache's slots up to the last one in use (as model.py does
+there) against over every slot (as on a GPU; KVCache.used_slots_on emptied): the GPT-2-124M-shaped model of
+`bench.py sample` (random weights, batch 1, greedy, NEW tokens after 16) in fp32 (as sample.py lays it
+out), int8 and int4 (groups of 128), eager and, with `compile`, through the compiled step; tokens/s at the
+best of 3 rounds taken in turn, and whether both give the same tokens.
 
-    PYTHONPATH=. python tools/cache_slots.py NEW [THREADS]    # e.g. 1000 2
+    PYTHONPATH=. python tools/cache_slots.py NEW THREADS [compile]    # e.g. 1000 2 compile
 """
 import copy
 import sys
@@ -13,29 +13,29 @@ import time
 import torch
 
 from generate import generate
-from model import ModelConfig, Transformer
-from quantize import quantize_int4, quantize_int8
+from model import KVCache, ModelConfig, Transformer
+from quantize import decode_layout, quantize_int4, quantize_int8
 
-NEW = int(sys.argv[1])
-torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else torch.get_num_threads())
+NEW, COMPILE = int(sys.argv[1]), "compile" in sys.argv
+torch.set_num_threads(int(sys.argv[2]))
 torch.set_flush_denormal(True)  # as sample.py runs
 torch.manual_seed(0)
 fp32 = Transformer(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)).eval()
-models = {"int8": quantize_int8(copy.deepcopy(fp32)), "int4 g128": quantize_int4(fp32)}
+models = {"int8": quantize_int8(copy.deepcopy(fp32)), "int4 g128": quantize_int4(copy.deepcopy(fp32)),
+          "fp32": decode_layout(fp32)}
 idx = torch.randint(0, 50257, (1, 16))
-is_compiling = torch.compiler.is_compiling
-reads = {"every slot": lambda: True, "the slots in use": is_compiling}
+reads = {"every slot": (), "the slots in use": ("cpu",)}
 times, outs = {}, {}
 with torch.no_grad():
-    for rnd in range(4):  # the first round warms up
+    for rnd in range(4):  # the first round warms up (and compiles)
         for name, model in models.items():
-            for read, flag in reads.items():
-                torch.compiler.is_compiling = flag
+            for read, devices in reads.items():
+                KVCache.used_slots_on = devices
                 t = time.perf_counter()
-                outs[name, read] = generate(model, idx, NEW, temperature=0)
+                outs[name, read] = generate(model, idx, NEW, temperature=0, compile=COMPILE)
                 times.setdefault((name, read), []).append(time.perf_counter() - t if rnd else float("inf"))
-torch.compiler.is_compiling = is_compiling
-print(f"{NEW} tokens after 16, {torch.get_num_threads()} threads, torch {torch.__version__}; tokens/s")
+print(f"{NEW} tokens after 16, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+      f"{'compiled' if COMPILE else 'eager'}; tokens/s")
 for name in models:
     every, used = (NEW / min(times[name, read]) for read in reads)
     same = torch.equal(outs[name, "every slot"], outs[name, "the slots in use"])
