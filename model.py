@@ -472,7 +472,7 @@ class Attention(nn.Module):
         if self.kind == "lsh":
             return efficient.lsh_attention(q, v, self.rotations, c.bucket_size, mask.causal, mask.valid)
         if isinstance(self.cache, KVCache):
-            k, v = (t[:, :, :mask.bias.size(-1)] for t in self.cache(k, v, mask.slots))  # the keys the mask has
+            k, v = (t[:, :, :mask.bias.size(-1)] for t in self.cache(k, v, mask.slots))  # the slots the bias has
         if self.random_blocks is not None:  # BigBird: the random blocks' keys too, unless they are padding
             see = efficient.random_mask(self.random_blocks, q.size(2), c.sparse_block)  # (nh, T, T)
             see = see if mask.valid is None else see & mask.valid[:, None, None, :]
@@ -608,8 +608,7 @@ class Stack(nn.Module):
             x = x + self.wpe(pos)
         elif c.pos == "sinusoidal":  # Vaswani et al. scale the embeddings so the sines do not drown them
             x = x * math.sqrt(c.n_embd) + sinusoidal(pos, c.n_embd).to(x.dtype)
-        if not c.norm_first:
-            x = self.ln_f(x)  # post-norm ends each block with a norm; BERT normalises the input instead
+        x = x if c.norm_first else self.ln_f(x)  # post-norm ends each block with a norm; BERT normalises the input
         x = self.drop(x)
         T, M = x.size(1), mems[0].size(1) if mems else 0
         before = torch.arange(M, device=x.device).expand(pos.size(0), M)  # the memory's positions, first
@@ -626,7 +625,8 @@ class Stack(nn.Module):
             keys = self.cache_pos
             if x.device.type in KVCache.used_slots_on:  # one read a step: a CPU waits for nothing, a GPU would
                 last = (torch.arange(keys.size(1), device=x.device) * (keys >= 0).any(0)).max().item()
-                torch._check(last >= 0)  # a size to torch.compile, whose graph takes the read in (generate.compiled)
+                torch._check(last >= 0)  # bounds for torch.compile, whose graph takes the read in as the
+                torch._check(last < keys.size(1))  # size of a slice (generate.compiled)
                 keys = keys[:, :last + 1]
         window = c.window if slots is None else reach(c)
         name = "decoder" if self.causal else "encoder"

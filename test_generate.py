@@ -99,6 +99,14 @@ CACHE_CASES += [dict(arch=a, pos="rope", n_kv_head=2, window=0, qk_norm=True, ml
                 for a in ("decoder", "encoder-decoder")]  # the modern recipe's options: keys normalised before caching
 
 
+@pytest.fixture(params=[("cpu",), ()], ids=["slots-in-use", "every-slot"])
+def slots(request, monkeypatch):
+    """The tests that take it run twice: reading the cache's slots in use only (as on a CPU) and every
+    slot (as on a GPU): KVCache.used_slots_on."""
+    monkeypatch.setattr(KVCache, "used_slots_on", request.param)
+
+
+@pytest.mark.usefixtures("slots")
 @pytest.mark.parametrize("kw", CACHE_CASES, ids=config_id)
 def test_cached_decoding_equals_recomputing_everything(kw, tiny_model):
     model = tiny_model(**kw)
@@ -108,6 +116,7 @@ def test_cached_decoding_equals_recomputing_everything(kw, tiny_model):
     assert torch.equal(generate(model, idx, 12, temperature=0, src=src), ref_tokens)
 
 
+@pytest.mark.usefixtures("slots")
 @pytest.mark.parametrize("T", [5, 50], ids=["prompt5", "prompt50"])  # 50: longer than block_size, 6 times over
 @pytest.mark.parametrize("pos", POSITIONS)
 def test_generate_past_block_size_sees_block_size_tokens_as_the_reference_does(pos, T, monkeypatch, tiny_model):
@@ -265,6 +274,7 @@ def test_the_decode_step_compiles_into_one_graph_and_matches_eager(kw, tiny_mode
 # ----------------------------------------------------------------------------------------------
 # Left-padded batches
 
+@pytest.mark.usefixtures("slots")
 @pytest.mark.parametrize("kw", [dict(pos="rope"), dict(pos="learned", block_size=12), dict(pos="alibi", n_kv_head=2),
                                 dict(pos="relative", window=4), dict(pos="sinusoidal"), dict(pos="none")],
                          ids=config_id)
@@ -326,6 +336,7 @@ def test_the_same_seed_samples_the_same_text(tiny_model):
 # ----------------------------------------------------------------------------------------------
 # Speculative decoding
 
+@pytest.mark.usefixtures("slots")
 @pytest.mark.parametrize("kw, draft_kw", [
     (dict(pos="rope"), dict(n_layer=1)),
     (dict(pos="sinusoidal", window=3), dict(n_layer=1, pos="alibi")),
