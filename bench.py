@@ -313,9 +313,11 @@ def quantized_quality(out_dir, device, n_batches=50):
     for i in range(n_batches):  # a batch at a time, a model at a time: a BPE model's logits are 300 MB a batch
         b = {k: v.to(device) for k, v in get_batch(data, c["arch"], 12, c["block_size"], batch_rng(0, i), tokens,
              meta["vocab_size"], cfg["mask_prob"], cfg["noise_density"], cfg["mean_span"]).items()}
-        for name, (m, _, _) in models.items():  # fp32 first: the reference
+        ref = None  # fp32's logits: it comes first
+        for name, (m, _, _) in models.items():
             logits, batch_loss = m(**b)
-            ref, loss[name] = logits if name == "fp32" else ref, loss[name] + batch_loss.item() / n_batches
+            ref = logits if ref is None else ref
+            loss[name] += batch_loss.item() / n_batches
             rel[name] = max(rel[name], ((logits - ref).abs().max() / ref.abs().max()).item())
     print(f"{out_dir} ({cfg['dataset']}, {n_batches} val batches of 12): loss; max |logit difference| / max |logit|")
     for name in models:

@@ -623,7 +623,7 @@ class Stack(nn.Module):
             slots = own = torch.where(p < g, p, g + (p - g) % (self.cache_pos.size(1) - g))
             self.cache_pos.index_copy_(1, slots, keys.expand(x.size(0), T))
             keys = self.cache_pos
-            if x.device.type in KVCache.used_slots_on:  # one read a step: a CPU waits for nothing, a GPU would
+            if x.device.type in KVCache.used_slots_on:  # one read a pass: a CPU waits for nothing, a GPU would
                 last = (torch.arange(keys.size(1), device=x.device) * (keys >= 0).any(0)).max().item()
                 torch._check(last >= 0)  # bounds for torch.compile, whose graph takes the read in as the
                 torch._check(last < keys.size(1))  # size of a slice (generate.compiled)

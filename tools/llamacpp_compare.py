@@ -21,7 +21,6 @@ from llama_cpp import Llama
 import hf
 from checkpoint import for_sampling
 from generate import generate
-from tokenizer import Tokenizer
 
 torch.set_num_threads(2)
 torch.set_flush_denormal(True)
