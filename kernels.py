@@ -436,12 +436,13 @@ if available:
     # dK/dV: a block of keys stays in place while small blocks of queries stream past it
     _bwd_dkdv = _tuned(_bwd_dkdv_kernel,
                        half=[(32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (16, 64, 8, 3), (32, 64, 4, 3),
-                             (16, 64, 4, 3)],
+                             (16, 64, 4, 3), (32, 128, 4, 3)],
                        fp32=[(16, 64, 8, 2), (16, 32, 4, 2), (16, 32, 8, 2)],
                        interpreter=(32, 64, 1, 1))
     # dQ: a block of queries stays, blocks of keys stream past
     _bwd_dq = _tuned(_bwd_dq_kernel,
-                     half=[(128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
+                     half=[(128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3),
+                           (64, 64, 4, 3)],
                      fp32=[(32, 16, 4, 2), (64, 32, 8, 2), (32, 16, 8, 2), (64, 16, 8, 2)],
                      interpreter=(64, 32, 1, 1))
 

@@ -16,7 +16,7 @@ encoder-decoder fills each [MASK] with a span of any length (span corruption), o
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import NamedTuple
 
@@ -114,6 +114,16 @@ def renamed(argv):
     return argv
 
 
+def int8_on_cuda(cfg, device):
+    """cfg without int8 weights on CUDA, saying why: torch has no fused int8 product there, so the layer
+    converts its weights at every product and decodes at 0.36x bf16's speed (int4: 1.5x; docs/performance.md)."""
+    if cfg.quantize != "int8" or device.type != "cuda":
+        return cfg
+    print("sample.py: --quantize=int8 decodes slower than unquantized weights on CUDA (torch converts the int8 "
+          "weights at every product); decoding without it. --quantize=int4 is the faster one there", file=sys.stderr)
+    return replace(cfg, quantize="")
+
+
 def main(argv):
     if {"-h", "--help"} & set(argv):
         print(usage(__doc__, SampleConfig))
@@ -124,6 +134,7 @@ def main(argv):
     dtype = pick_dtype(cfg.dtype, device)
     torch.set_flush_denormal(True)  # softmax tails leave denormal floats, which x86 CPUs handle far slower
     weights, autocast = precision(dtype, device)
+    cfg = int8_on_cuda(cfg, device)
     model, ckpt = load_source(cfg.init_from, cfg.out_dir, cfg.ckpt)  # a run's checkpoint or a Hugging Face model
     if cfg.init_from == "resume":
         print(f"sample.py: {describe(ckpt)}", file=sys.stderr)

@@ -311,3 +311,15 @@ def test_sample_in_int4_prints_the_int4_models_text_which_follows_the_fp32_model
     with torch.no_grad():
         same = (small(fp32[:, :-1])[0].argmax(-1) == model(fp32[:, :-1])[0].argmax(-1))[0, len("LEAR:") - 1:]
     assert same.float().mean() >= 0.8  # (all 20 here; int4's logits stay within 0.2 of fp32's: test_quantize)
+
+
+def test_int8_on_cuda_falls_back_to_unquantized_weights_and_says_why(capsys):
+    """On CUDA torch has no fast int8 product (docs/performance.md): sample.py decodes without it, in one
+    line; int4 and every CPU keep what was asked."""
+    asked = sample.SampleConfig(quantize="int8")
+    assert sample.int8_on_cuda(asked, torch.device("cuda")).quantize == ""
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "int8" in said[0] and "int4" in said[0]
+    for cfg, device in [(asked, "cpu"), (sample.SampleConfig(quantize="int4"), "cuda")]:
+        assert sample.int8_on_cuda(cfg, torch.device(device)) == cfg
+    assert capsys.readouterr().err == ""

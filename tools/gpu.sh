@@ -4,7 +4,9 @@
 #   python prepare.py shakespeare && python prepare.py shakespeare_char   # first, where there is a network
 #   bash tools/gpu.sh [STEP ...]      # all steps: about 11 minutes on one H100; the log goes to $LOG
 #
-# Steps, in this order: env tests attention auto train decode real. Each runs under a time limit of
+# Steps, in this order: env tests attention auto train decode real; and, named only, profile (where
+# gpt2_124m's training time goes), products (int8 and int4 layers at batch 1) and tiles (the kernel's
+# tiles against cuDNN). Each runs under a time limit of
 # its own (seconds, below), so that one that hangs leaves time to the others. The training and
 # decoding steps use random or fresh weights, the real runs Shakespeare's characters.
 set -u
@@ -64,6 +66,20 @@ real() {  # the same 45 seconds for the speedrun recipe (a CPU config: on the GP
         run 60 python train.py configs/shakespeare_char${c#*:}.py --init_from=resume --eval_only=True --device=auto \
             --eval_iters=200 --batch_size=64 --out_dir=/tmp/out-${c%:*}
     done
+}
+
+profile() {  # gpt2_124m's iteration (512k tokens) as the config has it, with Muon, and at larger micro-batches;
+             # the first profiled kernel by kernel
+    run 240 env PYTHONPATH=. python tools/train_profile.py configs/gpt2_124m.py --dataset=shakespeare --compile=True \
+        -- "" "optimizer=muon" "batch_size=32 gradient_accumulation_steps=16" "batch_size=64 gradient_accumulation_steps=8"
+}
+
+products() {  # one token's weight-only products at batch 1 and 8, each form as one CUDA graph
+    run 75 env PYTHONPATH=. python tools/cuda_products.py
+}
+
+tiles() {  # causal attention at 4096: the kernel with larger tiles too, against cuDNN and FlashAttention-2
+    run 120 env PYTHONPATH=. python tools/kernel_tiles.py 4096 64,128
 }
 
 for step in "${@:-env tests attention auto train decode real}"; do
