@@ -13,7 +13,7 @@ windowed attention comes from. Grouped-query attention reads each key/value head
 head of its group; K and V are never repeated in memory.
 
     python bench.py attention            # benchmark against torch's attention (needs a CUDA GPU)
-    python -m pytest test_kernels.py     # tests
+    python -m pytest tests/test_kernels.py     # tests
 
 Without CUDA, Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported) runs
 the same kernels on CPU tensors, slowly: that is how the tests run in CI (conftest.py sets it).

@@ -414,3 +414,9 @@ def scaling_section(N, L, fit, points, k, a):
     fits = f"alpha {alpha:.3f}, E {E:.3f}, A {A:.3g}" + (f"; N_opt = k C^a: a {a:.3f}" if k is not None else "")
     return (f"<h2>scaling <small>(L(N) = E + A / N^alpha: {fits})</small></h2>\n<p>{html.escape(CAVEAT)}</p>\n"
             '<div class="charts">\n' + "\n".join(svgs) + "\n</div>\n")
+
+
+if __name__ == "__main__":  # a library of bench.py's, which runs its studies: say so rather than exit 0 silently
+    print("study.py: error: studies run through bench.py: python bench.py family|scaling [--key=value ...] "
+          "(python bench.py family --help lists the settings)", file=sys.stderr)
+    sys.exit(2)

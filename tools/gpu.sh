@@ -31,8 +31,8 @@ triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_dev
 
 tests() {  # the kernel's tests on the GPU: bf16, and every autotuning config (12 processes share the GPU);
             # int4 and int8 layers on CUDA
-    run 120 python -m pytest -q -x -n 12 test_kernels.py
-    run 60 python -m pytest -q -x test_quantize.py -k cuda
+    run 120 python -m pytest -q -x -n 12 tests/test_kernels.py
+    run 60 python -m pytest -q -x tests/test_quantize.py -k cuda
 }
 
 attention() {  # the kernel against SDPA, forward and backward, at the lengths of docs/kernels.md's table

@@ -17,7 +17,7 @@ from quantize import quantize_int8
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 needs_triton = pytest.mark.skipif(not kernels.available, reason="triton is not installed")
 # the autotuned kernels, {dtype: autotuner} each, and every autotuner's configs as kernels.py
 # defines them (the interpreter has one per kernel)

@@ -18,7 +18,7 @@ import train
 from model import ModelConfig, Transformer
 from optim import learning_rate
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 ITERS = 20
 

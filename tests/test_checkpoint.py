@@ -17,7 +17,7 @@ import prepare
 import sample
 import train
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import bench
 import report
 import study
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def train_args(tiny_args, *more):
@@ -243,3 +243,8 @@ def test_bad_input_is_refused_in_one_line_before_anything_trains(family, tiny_ar
                                           lambda: run("bench.py", "scaling", "--sizes=0", cwd=d))
     assert code == 0 and "--max_time=T --out_dir=ROOT/NAME" in out and "train_args" in out
     one_line_error(refused, "bench.py: error: sizes=0 should be positive whole numbers")
+
+
+def test_study_py_run_alone_says_to_use_bench_py(run, one_line_error, tmp_path):
+    """study.py is bench.py's library: run alone it names the commands that run studies, exit 2."""
+    one_line_error(run("study.py", cwd=tmp_path), "bench.py family|scaling")

@@ -16,7 +16,7 @@ import sample
 import train
 from model import ModelConfig, Transformer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 CONFIGS = sorted(name for name in os.listdir(os.path.join(HERE, "configs")) if name.endswith(".py"))
 
 

@@ -16,7 +16,7 @@ import common
 import prepare
 import tokenizer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def train_part(text):

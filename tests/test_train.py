@@ -22,7 +22,7 @@ import optim
 import sample
 import train
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 # each architecture with some of its options: the runs of test_each_architecture_trains_and_samples,
 # which test_resuming_halfway_gives_bit_identical_losses_and_weights resumes halfway
