@@ -175,9 +175,8 @@ class ModelConfig:
              f"scores, which {a} attention has none of: choose pos='rope', 'learned', 'sinusoidal' or 'none'"),
             ((self.window or self.n_global) and not kind.window, f"{a} attention weighs every key it sees: it has "
              "no window (set window=0), nor global tokens beside one (set n_global=0)"),
-            (self.arch == "prefix-lm" and (a != "softmax" or self.window or self.pos == "relative"), "a prefix LM "
-             "reads its prefix both ways and the rest causally, in one mask over whole sequences: with softmax "
-             "attention, no window, and positions other than T5's causal buckets (pos='rope', 'alibi', ...)"),
+            (self.arch == "prefix-lm" and (a != "softmax" or self.window), "a prefix LM reads its prefix both "
+             "ways and the rest causally, in one mask over whole sequences: with softmax attention and no window"),
             (self.feature_redraw and a != "performer", "feature_redraw draws a performer's random features: set "
              "attention='performer', or feature_redraw=0"),
             (self.arch == "decoder" and not kind.causal, f"{a} attention mixes later keys into earlier ones, so a "
@@ -687,8 +686,9 @@ class Stack(nn.Module):
         c = self.config
         dist = pos[:, :, None] - keys[:, None, :]  # (B|1, Tq, Tk) query position - key position
         see = (keys >= 0)[:, None, :] & ((dist >= 0) if self.causal else True)
-        if prefix is not None:
-            see = see | (((keys >= 0) & (keys < prefix[:, None]))[:, None, :] & (pos < prefix[:, None])[:, :, None])
+        if prefix is not None:  # (B, Tq, Tk) query and key both in the prefix
+            both = ((keys >= 0) & (keys < prefix[:, None]))[:, None, :] & (pos < prefix[:, None])[:, :, None]
+            see = see | both
         if window:  # global tokens are seen by every query, and in an encoder see every key (Longformer)
             glob = (keys < c.n_global)[:, None, :] | ((pos < c.n_global)[:, :, None] & (not self.causal))
             see = see & ((dist.abs() < window) | glob)
@@ -698,6 +698,8 @@ class Stack(nn.Module):
             bias = -self.slopes[:, None, None] * dist.abs()[:, None]  # (B|1, nh, Tq, Tk)
         elif c.pos == "relative":
             bucket = relative_bucket(-dist, not self.causal, c.rel_buckets, c.rel_max_distance)
+            if prefix is not None:  # the prefix reads both ways, so its keys ahead need an encoder's buckets
+                bucket = torch.where(both, relative_bucket(-dist, True, c.rel_buckets, c.rel_max_distance), bucket)
             bias = self.rel(bucket).permute(0, 3, 1, 2)  # (B|1, nh, Tq, Tk)
         return torch.where(see[:, None], bias, float("-inf"))
 
@@ -748,7 +750,8 @@ class Transformer(nn.Module):
         one (B, mem_len, C) per layer, detached; mems: the one the segment before returned (None at
         the start of a stream), whose positions come before idx's. group (context parallel): idx is
         this rank's shard, at input_pos, of sequences split in order over the group's ranks. prefix_len
-        (B,): a prefix LM's prefix in each row, its first positions, which see each other both ways."""
+        (B,): a prefix LM's prefix in each row, its first positions, which see each other both ways; the
+        targets before P - 1 take no loss."""
         c = self.config
         B, T = idx.shape
         if input_pos is None:
@@ -773,6 +776,8 @@ class Transformer(nn.Module):
         logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap) if c.logit_softcap else logits
         loss = None
         if targets is not None:
+            if prefix_len is not None:  # a prefix position before P - 1 sees its own target (the next token)
+                targets = targets.masked_fill(pos < prefix_len[:, None] - 1, -100)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
             if c.n_expert:
                 loss = loss + c.moe_aux_weight * sum(m.aux_loss for m in self.modules() if isinstance(m, MoE))

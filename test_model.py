@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import kernels
 import model as model_module
 from generate import generate
-from model import (ARCHS, POSITIONS, Mask, ModelConfig, Transformer, alibi_slopes, apply_rope, attention,
+from model import (ARCHS, POSITIONS, Mask, ModelConfig, Stack, Transformer, alibi_slopes, apply_rope, attention,
                    relative_bucket, rope, sinusoidal)
 
 V = 61  # tiny_model's vocabulary: small, and not a power of two
@@ -28,8 +28,6 @@ FFNS = [dict(mlp="gelu", qk_norm=True, logit_softcap=15.0), dict(mlp="swiglu"),
         dict(mlp="relu", n_expert=4, expert_top_k=2), dict(mlp="geglu"), dict(mlp="relu2", n_expert=3, expert_top_k=1)]
 MATRIX = []
 for i, (arch, pos) in enumerate(itertools.product(ARCHS, POSITIONS)):
-    if arch == "prefix-lm" and pos == "relative":  # refused: T5's causal buckets have no two-way half
-        continue
     window = 0 if arch == "prefix-lm" else [0, 3][i // 3 % 2]  # a prefix LM has none
     MATRIX.append(dict(arch=arch, pos=pos, n_kv_head=[4, 2, 1][i % 3], norm_first=i % 2 == 0,
                        norm=["layernorm", "rmsnorm"][i // 2 % 2], window=window, **FFNS[i % 5]))
@@ -594,10 +592,14 @@ def test_a_memory_is_refused_where_it_cannot_be(kw, words):
 # ----------------------------------------------------------------------------------------------
 # The prefix LM: a prefix read both ways, the rest causally
 
-def test_a_prefix_lm_reads_its_prefix_both_ways_and_the_rest_causally(tiny_model):
+PREFIX_POSITIONS = ["rope", "relative"]  # relative: T5's two-way buckets inside the prefix, causal ones after it
+
+
+@pytest.mark.parametrize("pos", PREFIX_POSITIONS)
+def test_a_prefix_lm_reads_its_prefix_both_ways_and_the_rest_causally(pos, tiny_model):
     """Per row P: logits at t >= P - 1 ignore every later token (the first suffix token is predicted
     at P - 1, which sees the whole prefix); logits before P - 1 do see later prefix tokens."""
-    model = tiny_model(arch="prefix-lm", pos="rope")
+    model = tiny_model(arch="prefix-lm", pos=pos)
     idx = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(0))
     P = torch.tensor([6, 13])
     logits = model(idx, prefix_len=P)[0]
@@ -612,23 +614,61 @@ def test_a_prefix_lm_reads_its_prefix_both_ways_and_the_rest_causally(tiny_model
                 assert changed[b, t] > 1e-4
 
 
-def test_a_prefix_of_one_is_a_plain_decoder_and_the_loss_counts_the_suffix_only(tiny_model):
-    prefix_lm, decoder = tiny_model(arch="prefix-lm", pos="rope"), tiny_model(pos="rope")
+@pytest.mark.parametrize("pos", PREFIX_POSITIONS)
+def test_a_whole_sequence_prefix_is_an_encoder(pos, tiny_model):
+    """P = T: every position sees every other, the decoder stack computes what an encoder stack of the
+    same weights does (T5's relative bias included: keys ahead take the encoder's buckets)."""
+    model = tiny_model(arch="prefix-lm", pos=pos)
+    encoder = Stack(model.config, causal=False)
+    encoder.load_state_dict(model.decoder.state_dict())
+    encoder.eval()
+    x, at = torch.randn(2, 12, model.config.n_embd), torch.arange(12)[None]  # (B, T, C) and positions (1, T)
+    torch.testing.assert_close(model.decoder(x, at, prefix=torch.full((2,), 12)), encoder(x, at), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pos", PREFIX_POSITIONS)
+def test_a_prefix_of_one_is_a_plain_decoder_and_the_loss_counts_the_suffix_only(pos, tiny_model):
+    prefix_lm, decoder = tiny_model(arch="prefix-lm", pos=pos), tiny_model(pos=pos)
     decoder.load_state_dict(prefix_lm.state_dict())  # the same parameters: the mask is all that differs
     idx = torch.randint(0, V, (2, 12))
     for P in (0, 1):
         torch.testing.assert_close(prefix_lm(idx, prefix_len=torch.full((2,), P))[0], decoder(idx)[0], rtol=0, atol=0)
     targets = torch.randint(0, V, (2, 12))
-    P = torch.tensor([4, 9])
-    targets[0, :3], targets[1, :8] = -100, -100  # what data.prefix_batch leaves of the prefix's targets
+    P = torch.tensor([4, 9])  # no -100 in the prefix's targets: the model leaves them out itself
     logits, loss = prefix_lm(idx, targets, prefix_len=P)
     counted = [logits[b, P[b] - 1:] for b in range(2)], [targets[b, P[b] - 1:] for b in range(2)]
     want = F.cross_entropy(torch.cat(counted[0]), torch.cat(counted[1]))
     torch.testing.assert_close(loss, want)
 
 
+def test_a_prefix_lm_takes_no_loss_on_the_targets_its_prefix_sees(tiny_model):
+    """Per row P: the target at t < P - 1 is the prefix's next token, which position t sees, so changing
+    it changes no loss; changing the one at P - 1 (the first suffix token, unseen), P or T - 1 changes
+    the loss by that term's change over the n targets counted."""
+    model = tiny_model(arch="prefix-lm", pos="rope")
+    g = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(0, V, (2, 12), generator=g), torch.randint(0, V, (2, 12), generator=g)
+    P = torch.tensor([4, 9])
+    logits, loss = model(idx, targets, prefix_len=P)
+    logp = F.log_softmax(logits.double(), -1)
+    n = (12 - (P - 1)).sum().item()
+    # two float32 means of n terms near log V: each of the n partial sums rounds by at most an ulp of n log V
+    tol = 2 * n * torch.finfo(torch.float32).eps * 2 * math.log(V)
+    for b in range(2):
+        for t in [*range(P[b] - 1), P[b] - 1, P[b], 11]:
+            changed = targets.clone()  # to the least likely token (the likeliest if it is that already)
+            changed[b, t] = logp[b, t].argmin() if logp[b, t].argmin() != targets[b, t] else logp[b, t].argmax()
+            delta = model(idx, changed, prefix_len=P)[1] - loss
+            if t < P[b] - 1:
+                assert delta == 0
+            else:
+                want = (logp[b, t, targets[b, t]] - logp[b, t, changed[b, t]]) / n
+                assert abs(want) > 10 * tol
+                torch.testing.assert_close(delta.double(), want, rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("kw, words", [(dict(arch="prefix-lm", window=4), "no window"),
-                                       (dict(arch="prefix-lm", pos="relative"), "T5's causal buckets"),
+                                       (dict(arch="prefix-lm", attention="performer"), "with softmax attention"),
                                        (dict(feature_redraw=10), "feature_redraw draws a performer's")])
 def test_settings_a_prefix_lm_or_the_performer_cannot_take_are_refused(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):

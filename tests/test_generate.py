@@ -406,11 +406,12 @@ def test_a_transformer_xl_decoder_generates_with_block_size_plus_mem_len_keys_in
     assert torch.equal(generate(xl, idx, 40, temperature=0), generate(plain, idx, 40, temperature=0))
 
 
-def test_a_prefix_lm_takes_the_prompt_as_its_prefix_and_decodes_as_full_passes_do(tiny_model):
+@pytest.mark.parametrize("pos", ["rope", "relative"])
+def test_a_prefix_lm_takes_the_prompt_as_its_prefix_and_decodes_as_full_passes_do(pos, tiny_model):
     """The prompt is prefilled once, read both ways; then each cached step's greedy token is the
     argmax of a full forward pass under the prefix mask, also past block_size (the prompt's part
     still in view is the prefix), and for left-padded prompts of two lengths."""
-    model = tiny_model(arch="prefix-lm", pos="rope", block_size=16)
+    model = tiny_model(arch="prefix-lm", pos=pos, block_size=16)
     idx = prompt(6, B=2)
     out = generate(model, idx, 8, temperature=0)
     for t in range(6, 14):
