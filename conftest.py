@@ -43,6 +43,9 @@ LONGEST_FIRST = ["test_kernels.py", "test_train.py", "test_generate.py", "test_d
 
 
 def pytest_configure(config):
+    # the quick command leaves these out (-m "not slow"): many processes or end-to-end runs, at most one
+    # test in twenty (tests/test_common.py counts); CI runs every test
+    config.addinivalue_line("markers", "slow: a long test (many processes, end to end) that the quick run leaves out")
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's own order, by number of tests
         config.option.loadscopereorder = False
 

@@ -10,6 +10,7 @@ import shutil
 import signal
 import sys
 
+import pytest
 import torch
 
 import checkpoint
@@ -118,6 +119,7 @@ def test_an_out_dir_with_only_best_pt_is_told_how_to_go_on(trained, refusal, tin
 # ----------------------------------------------------------------------------------------------
 # The out_dir lock
 
+@pytest.mark.slow
 def test_a_second_run_is_refused_while_another_writes_the_same_out_dir(workdir, start, wait_for, refusal, in_process,
                                                                        tiny_args):
     d, _ = workdir
@@ -165,6 +167,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_killing_the_process_mid_save_leaves_the_previous_checkpoint_loadable(workdir, run, in_process, capsys,
                                                                               losses, tiny_args):
     d, _ = workdir
@@ -184,6 +187,7 @@ def test_killing_the_process_mid_save_leaves_the_previous_checkpoint_loadable(wo
     assert not glob.glob(str(out / "*.tmp.*"))  # the half-written file is cleared away
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_whole(trained, run, one_line_error, in_parallel,
                                                                         tiny_args):
     d = trained
@@ -210,6 +214,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_whole(trained,
     assert not (d / "out-full-new").exists()  # made for the run, and removed with its probe
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_full_disk_stops_every_rank_with_one_line(trained, run, tiny_args):
     d = trained
     shutil.copytree(d / "out-ok", d / "out-full-ddp")

@@ -116,3 +116,11 @@ def test_a_message_names_what_the_user_meant(trained, refusal, tmp_path, tiny_ar
     refusal(sample.main, ["out-ok"], "'out-ok' is a folder:", "did you mean --out_dir=out-ok?", cwd=d)
     refusal(prepare.main, ["text", "--input=texts/part0.txt", "texts/part1.txt", "--name=x"],
             "'texts/part1.txt' is not a setting", "quote it (--input='corpus/*.txt')", cwd=d)
+
+
+def test_at_most_one_test_in_twenty_is_marked_slow(request):
+    """The quick command (README) leaves out the tests marked slow; they must stay few. Counted over
+    what this run collected: the full run (CI's) sees every mark."""
+    items = request.session.items
+    slow = [item.nodeid for item in items if item.get_closest_marker("slow")]
+    assert 20 * len(slow) <= len(items), (len(slow), len(items))

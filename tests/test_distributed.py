@@ -81,6 +81,7 @@ def runs(workdir, run, tiny_args):
         return dict(zip(argvs, pool.map(lambda argv: torchrun(run, d, *argv), argvs.values())))
 
 
+@pytest.mark.slow
 def test_fsdp_trains_as_ddp_does(workdir, runs, losses):
     d, _ = workdir
     ddp, fsdp = losses(runs["ddp"]), losses(runs["fsdp"])
@@ -91,6 +92,7 @@ def test_fsdp_trains_as_ddp_does(workdir, runs, losses):
                         rounding(d / "out-fsdp" / "ckpt.pt"))
 
 
+@pytest.mark.slow
 def test_each_rank_holds_half_the_parameters_and_optimizer_state(workdir, runs):
     d, _ = workdir
     # the figure printed is read from each rank's slices of the weights (DTensor.to_local())
@@ -103,6 +105,7 @@ def test_each_rank_holds_half_the_parameters_and_optimizer_state(workdir, runs):
     assert float(line[1]) == pytest.approx(float(line[2]) / 2, rel=5e-3)
 
 
+@pytest.mark.slow
 def test_an_fsdp_checkpoint_is_plain_as_one_process_writes_it_and_samples(workdir, runs, in_process, capsys):
     d, _ = workdir
     ddp, fsdp = (torch.load(d / out / "ckpt.pt", weights_only=True) for out in ("out-ddp", "out-fsdp"))
@@ -120,6 +123,7 @@ def test_an_fsdp_checkpoint_is_plain_as_one_process_writes_it_and_samples(workdi
     assert capsys.readouterr().out.startswith("LEAR:")
 
 
+@pytest.mark.slow
 def test_a_signal_saves_and_the_run_resumes_exactly_under_fsdp_and_in_one_process(workdir, runs, run, start, wait_for,
                                                                                   in_process, losses, tiny_args):
     d, _ = workdir
@@ -144,6 +148,7 @@ def test_a_signal_saves_and_the_run_resumes_exactly_under_fsdp_and_in_one_proces
     assert_same_weights(straight, weights(d / "out-stop-one" / "ckpt.pt"), rounding(d / "out-fsdp" / "ckpt.pt"))
 
 
+@pytest.mark.slow
 def test_muon_on_sliced_matrices_updates_as_on_whole_ones(workdir, runs, in_process, tiny_args):
     d, _ = workdir
     assert in_process(train.main, ["--out_dir=out-one-muon", *args(tiny_args, "--optimizer=muon")], cwd=d) == 0
@@ -168,6 +173,7 @@ def test_fsdp_is_refused_in_one_line_where_it_cannot_run(workdir, run, one_line_
 # ----------------------------------------------------------------------------------------------
 # Context parallel: each sequence split over the ranks of a group, ring attention between them
 
+@pytest.mark.slow
 def test_context_parallel_trains_as_one_process_does(workdir, run, tiny_args, losses):
     """--context_parallel=2 on 2 ranks (one group), and on 4 (two groups, data parallel): the logged
     losses (the mean of every rank's shards) equal a one-process run's on the same batches, to the 4

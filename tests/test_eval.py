@@ -215,6 +215,7 @@ def test_the_bar_shows_only_on_long_work(monkeypatch, capsys):
     assert capsys.readouterr().err == bar(2) + bar(4) + "\n"  # nothing in the first second; then 5 a second at most
 
 
+@pytest.mark.slow
 def test_lm_evaluation_harness_gives_the_same_numbers(exported, in_process):
     """Run where lm-eval is installed (pip install lm-eval): its acc, acc_norm and bits per byte on the
     export, offline, with local tasks in HellaSwag's schema and a text."""

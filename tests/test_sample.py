@@ -77,6 +77,7 @@ def test_a_prompt_longer_than_learned_positions_is_cropped_and_said(trained, in_
     assert out.startswith("ROMEO: " * 10)
 
 
+@pytest.mark.slow
 def test_sample_out_of_memory_stops_in_one_line(trained, run, one_line_error):
     d = trained
     line = next(line for line in (d / "texts" / "part0.txt").read_text(encoding="utf-8").splitlines() if line.strip())

@@ -133,6 +133,7 @@ def ladder(workdir, in_process, tiny_args):
     return d, (p.returncode, "".join(seen) + out, err), before, printed(in_process, argv, d)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_study_cleanly_and_the_run_keeps_its_checkpoint(ladder):
     d, (code, out, err), _, _ = ladder
     assert code == 130 and "Traceback" not in err, err
@@ -142,6 +143,7 @@ def test_ctrl_c_stops_the_study_cleanly_and_the_run_keeps_its_checkpoint(ladder)
     assert "[1/3] n_embd-16: finished in " in out
 
 
+@pytest.mark.slow
 def test_a_study_started_again_skips_the_finished_runs_and_resumes_the_one_cut_short(ladder):
     d, (_, first, _), before, (status, out) = ladder
     saved = int(re.search(r"stopped by SIGINT at iteration (\d+)", first)[1])
@@ -155,6 +157,7 @@ def test_a_study_started_again_skips_the_finished_runs_and_resumes_the_one_cut_s
         assert ckpt["model_config"]["n_head"] == s // 16  # the head size of the base's 32 / 2 kept
 
 
+@pytest.mark.slow
 def test_scaling_prints_the_fits_and_puts_them_on_the_compare_page(ladder):
     d, _, _, (_, out) = ladder
     alpha, E, A = (float(x) for x in re.search(r"^alpha = (\S+), E = (\S+), A = (\S+)$", out, re.M).groups())

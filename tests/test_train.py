@@ -362,6 +362,7 @@ def test_train_refuses_damaged_data_in_one_line(workdir, refusal, tiny_args):
         assert not (d / f"out-{name}").exists()
 
 
+@pytest.mark.slow
 def test_train_out_of_memory_stops_in_one_line_and_keeps_the_checkpoints(trained, run, one_line_error, refusal,
                                                                          monkeypatch, tiny_args):
     d = trained
@@ -387,6 +388,7 @@ def test_train_out_of_memory_stops_in_one_line_and_keeps_the_checkpoints(trained
 # ----------------------------------------------------------------------------------------------
 # Signals: a checkpoint, then a quiet stop
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_sigint_or_sigterm_saves_a_checkpoint_and_exits_cleanly(workdir, sig, start, wait_for, in_process, capsys,
                                                                losses, tiny_args):
@@ -439,6 +441,7 @@ def test_ctrl_c_while_torch_loads_exits_quietly(workdir, start, wait_for, tiny_a
 # ----------------------------------------------------------------------------------------------
 # DDP under torchrun
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_two_process_torchrun_on_cpu_trains_ranks_agree_and_ends_with_the_parameters_of_one_process(
         optimizer, workdir, run, in_process, capsys, losses, tiny_args):
@@ -466,6 +469,7 @@ def test_two_process_torchrun_on_cpu_trains_ranks_agree_and_ends_with_the_parame
     assert len(losses(capsys.readouterr().out)) == 1
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_bad_setting_is_reported_once(workdir, run, tiny_args):
     d, _ = workdir
     code, _, err = run(TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
@@ -489,6 +493,7 @@ def children(pid):
     return kids
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
 def test_a_crashed_rank_makes_the_others_exit_instead_of_hanging(workdir, start, wait_for, tiny_args):
     d, _ = workdir
