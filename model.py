@@ -13,6 +13,7 @@ One config expresses GPT-2, BERT, T5, Llama and the original Transformer:
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 import efficient
 import kernels
+import ring
 
 ARCHS = ("decoder", "encoder", "encoder-decoder", "prefix-lm")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
@@ -32,9 +34,9 @@ ATTN_IMPLS = ("auto", "triton", "sdpa", "math")
 
 
 class Kind(NamedTuple):
-    """What an attention kind is. ModelConfig's checks and the refusals of sample.py and hf.py read
-    these facts, so that a new kind is a row of ATTENTIONS, its function called in Attention.attend,
-    and (where it has any) its projections, draws and decoding state in Attention."""
+    """What an attention kind is, as ModelConfig's checks, Attention, and sample.py's and hf.py's refusals
+    read it. A new kind is four places: its row of ATTENTIONS (these facts, the call of its function), that
+    function in efficient.py (with its draws and state), its config fields, and its ModelConfig.conflicts."""
     causal: bool  # serves a decoder (else an encoder-decoder's decoder keeps softmax attention)
     bidirectional: bool  # serves an encoder
     keeps: str  # while decoding: "kv" (a KV cache, which can forget tokens), "state" (a recurrent state),
@@ -44,6 +46,12 @@ class Kind(NamedTuple):
     weights: bool  # has weights to draw (sample.py's attention page)
     kernel: bool  # kernels.py's Triton kernel computes it
     export: bool  # Hugging Face's models have it (hf.py export)
+    attend: Callable | None = None  # (layer, q, k, v, mask, dropout) -> (B, nh, T, hs); None: Attention's softmax
+    draws: Callable = lambda config, generator=None: {}  # -> {name: a Parameter to learn, or a fixed buffer}
+    redraws: bool = False  # feature_redraw draws its draws again while training (Transformer.redraw_features)
+    state: Callable | None = None  # (config, batch_size, device) -> its empty recurrent state (keeps="state")
+    shared_qk: bool = False  # its keys are made from its queries: c_attn projects queries and values only
+    fixed_length: bool = False  # its draws have a column per position: no sequence longer than block_size
 
 
 ATTENTIONS = {
@@ -51,16 +59,26 @@ ATTENTIONS = {
                     export=True),
     # phi(q) phi(k)ᵀ, phi = elu + 1, O(T) (Katharopoulos et al. 2020)
     "linear": Kind(causal=True, bidirectional=True, keeps="state", bias=False, window=False, weights=False,
-                   kernel=False, export=False),
+                   kernel=False, export=False,
+                   attend=lambda layer, q, k, v, mask, dropout: efficient.linear_attention(
+                       q, k, v, mask.causal, mask.valid, layer.cache),
+                   state=lambda c, B, dev: efficient.LinearState(B, c.n_kv_head, c.head_size, dev)),
     # FAVOR+: positive orthogonal random features estimate exp(q·k / sqrt(hs)), O(T m) (Choromanski et al. 2021)
     "performer": Kind(causal=True, bidirectional=True, keeps="state", bias=False, window=False, weights=False,
-                      kernel=False, export=False),
+                      kernel=False, export=False, draws=efficient.performer_draws, redraws=True,
+                      attend=lambda layer, q, k, v, mask, dropout: efficient.performer_attention(
+                          q, k, v, layer.proj, mask.causal, mask.valid, layer.cache),
+                      state=lambda c, B, dev: efficient.PerformerState(B, c.n_kv_head, c.n_features, c.head_size, dev)),
     # keys and values projected along the sequence to proj_len rows, O(T k) (Wang et al. 2020)
     "linformer": Kind(causal=False, bidirectional=True, keeps="none", bias=False, window=False, weights=False,
-                      kernel=False, export=False),
+                      kernel=False, export=False, draws=efficient.linformer_draws, fixed_length=True,
+                      attend=lambda layer, q, k, v, mask, dropout: efficient.linformer_attention(
+                          q, k, v, layer.proj_k, layer.proj_v, mask.valid, dropout)),
     # shared-QK attention within buckets of angular LSH, O(T bucket_size) (Kitaev et al. 2020, Reformer)
     "lsh": Kind(causal=True, bidirectional=True, keeps="none", bias=False, window=False, weights=False,
-                kernel=False, export=False),
+                kernel=False, export=False, draws=efficient.lsh_draws, shared_qk=True,
+                attend=lambda layer, q, k, v, mask, dropout: efficient.lsh_attention(
+                    q, v, layer.rotations, layer.config.bucket_size, mask.causal, mask.valid)),
 }
 
 
@@ -195,8 +213,8 @@ class ModelConfig:
             (a == "lsh" and (self.block_size % self.bucket_size or self.block_size // self.bucket_size % 2),
              f"lsh hashes into block_size // bucket_size buckets, an even number: block_size={self.block_size} "
              f"and bucket_size={self.bucket_size} do not make one; choose bucket_size to divide block_size / 2"),
-            (a == "lsh" and self.n_kv_head != self.n_head, "lsh attention shares queries and keys (the keys are the "
-             "queries' unit vectors), so it has no key/value head groups: set n_kv_head=None"),
+            (kind.shared_qk and self.n_kv_head != self.n_head, f"{a} attention shares queries and keys (its keys "
+             "are made from the queries), so it has no key/value head groups: set n_kv_head=None"),
             (self.n_random and (self.arch in ("decoder", "prefix-lm") or not self.window or a != "softmax"),
              "BigBird's random "
              "blocks (n_random) join an encoder's window: set arch='encoder' or 'encoder-decoder', a window, and "
@@ -323,7 +341,7 @@ def attention(q, k, v, mask, dropout=0.0):
     (grouped-query attention). Returns the output (B, nh, Tq, hs) and, on the math path, the
     weights (B, nh, Tq, Tk). mask.ring: the keys of the other shards come round the ring."""
     if mask.ring is not None:  # context parallel: exact attention over the whole sequence, a shard here
-        return efficient.ring_attention(q, k, v, mask.causal, mask.ring), None
+        return ring.ring_attention(q, k, v, mask.causal, mask.ring), None
     if mask.backend == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
         dtype = autocast_dtype(q.device, q.dtype)  # autocast casts SDPA's inputs, not a custom op's
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -378,37 +396,26 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
-def stack_kind(config, causal):
-    """The kind of self-attention a stack runs: the config's, or softmax in an encoder-decoder's
-    decoder when the config's kind serves encoders only (Linformer)."""
-    kind = ATTENTIONS[config.attention]
-    return config.attention if (kind.causal if causal else kind.bidirectional) else "softmax"
-
-
 class Attention(nn.Module):
     """Multi-head attention: self-attention over x, or cross-attention from x to an encoder's output.
     Only n_kv_head key/value heads are projected and cached (GQA/MQA). kind: the self-attention's
-    kind (ATTENTIONS), whose fixed draws (Performer's features, LSH's rotations, BigBird's blocks)
-    are buffers drawn at init from torch's seed and saved with the weights."""
+    kind (ATTENTIONS), whose draws (Kind.draws: random features, projections, rotations), as BigBird's
+    blocks, are drawn at init from torch's seed and saved with the weights."""
 
     def __init__(self, config, cross=False, kind="softmax", bigbird=False):
         super().__init__()
         self.config, self.cross, self.kind = config, cross, kind
-        c, hs = config, config.head_size
+        c, hs, shared_qk = config, config.head_size, ATTENTIONS[kind].shared_qk
         q_size, kv_size = config.n_head * hs, config.n_kv_head * hs
         if cross:  # queries from x, keys and values from the encoder's output
             self.c_q = nn.Linear(config.n_embd, q_size, bias=config.bias)
             self.c_kv = nn.Linear(config.n_embd, 2 * kv_size, bias=config.bias)
-        else:  # all three from x: one product, not two (GPT-2's c_attn, gpt-fast's wqkv); LSH's keys are its queries
-            self.c_attn = nn.Linear(config.n_embd, q_size + (1 if kind == "lsh" else 2) * kv_size, bias=config.bias)
+        else:  # all three from x: one product, not two (GPT-2's c_attn, gpt-fast's wqkv); shared QK: no keys
+            self.c_attn = nn.Linear(config.n_embd, q_size + (1 if shared_qk else 2) * kv_size, bias=config.bias)
         self.c_proj = nn.Linear(q_size, config.n_embd, bias=config.bias)
-        if kind == "performer":
-            self.register_buffer("proj", efficient.random_features(c.n_features, hs))
-        if kind == "linformer":  # a random average of the positions at first: K' keeps the scale of K
-            self.proj_k, self.proj_v = (nn.Parameter(torch.randn(c.proj_len, c.block_size) * c.block_size ** -0.5)
-                                        for _ in range(2))
-        if kind == "lsh":
-            self.register_buffer("rotations", efficient.lsh_rotations(c.n_hashes, hs, c.block_size // c.bucket_size))
+        for name, t in ATTENTIONS[kind].draws(c).items():  # its kind's draws, then BigBird's: saved with the weights
+            register = self.register_parameter if isinstance(t, nn.Parameter) else self.register_buffer
+            register(name, t)
         free = efficient.free_blocks(c.block_size, c.sparse_block, c.window, c.n_global) if bigbird else None
         # BigBird's, in an encoder: (nh, blocks, n_random) the key blocks each block of queries sees
         self.register_buffer("random_blocks", None if free is None else efficient.random_blocks(free, c.n_random,
@@ -421,13 +428,10 @@ class Attention(nn.Module):
     def empty_cache(self, batch_size, size, dtype):
         """What this self-attention keeps while generating (ATTENTIONS[kind].keeps), empty: a KV cache
         of `size` slots, a recurrent state (in fp32: sums of many terms), or nothing."""
-        c, dev = self.config, self.c_proj.weight.device
-        if self.kind == "linear":
-            return efficient.LinearState(batch_size, c.n_kv_head, c.head_size, dev)
-        if self.kind == "performer":
-            return efficient.PerformerState(batch_size, c.n_kv_head, c.n_features, c.head_size, dev)
-        return KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev) if ATTENTIONS[self.kind].keeps == "kv" \
-            else None
+        c, dev, kind = self.config, self.c_proj.weight.device, ATTENTIONS[self.kind]
+        if kind.state is not None:
+            return kind.state(c, batch_size, dev)
+        return KVCache(batch_size, c.n_kv_head, size, c.head_size, dtype, dev) if kind.keeps == "kv" else None
 
     def heads(self, x):
         return x.unflatten(-1, (-1, self.config.head_size)).transpose(1, 2)  # (B, T, n * hs) -> (B, n, T, hs)
@@ -445,7 +449,7 @@ class Attention(nn.Module):
         if self.cross:  # keys and values of the encoder's output: computed once when generating
             q = self.norm(self.heads(self.c_q(x)))
             k, v = self.cache if self.cache is not None else self.kv(memory)
-        elif self.kind == "lsh":  # shared QK: q and v heads, the keys made from q in lsh_attention
+        elif ATTENTIONS[self.kind].shared_qk:  # q and v heads: the kind's function makes the keys from q
             q, v = self.heads(self.c_attn(x)).chunk(2, dim=1)
             q, k = self.norm(q), None
             q = q if rope is None else apply_rope(q, *rope)
@@ -462,14 +466,8 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask):
         """The output (B, nh, T, hs) of this layer's kind of attention (ATTENTIONS) under mask."""
         c, dropout = self.config, self.config.dropout if self.training else 0.0
-        if self.kind == "linear":  # a recurrent state, while generating, continues the tokens before
-            return efficient.linear_attention(q, k, v, mask.causal, mask.valid, self.cache)
-        if self.kind == "performer":
-            return efficient.performer_attention(q, k, v, self.proj, mask.causal, mask.valid, self.cache)
-        if self.kind == "linformer":
-            return efficient.linformer_attention(q, k, v, self.proj_k, self.proj_v, mask.valid, dropout)
-        if self.kind == "lsh":
-            return efficient.lsh_attention(q, v, self.rotations, c.bucket_size, mask.causal, mask.valid)
+        if ATTENTIONS[self.kind].attend is not None:  # its own function, with this layer's draws and state
+            return ATTENTIONS[self.kind].attend(self, q, k, v, mask, dropout)
         if isinstance(self.cache, KVCache):
             k, v = (t[:, :, :mask.bias.size(-1)] for t in self.cache(k, v, mask.slots))  # the slots the bias has
         if self.random_blocks is not None:  # BigBird: the random blocks' keys too, unless they are padding
@@ -582,7 +580,8 @@ class Stack(nn.Module):
     def __init__(self, config, causal, cross=False):
         super().__init__()
         self.config, self.causal, self.cross = config, causal, cross
-        self.kind = stack_kind(config, causal)
+        kind = ATTENTIONS[config.attention]  # a kind that serves encoders only (Linformer) leaves a decoder softmax
+        self.kind = config.attention if (kind.causal if causal else kind.bidirectional) else "softmax"
         if config.pos == "learned":
             self.wpe = nn.Embedding(config.block_size, config.n_embd)
         if config.pos == "relative":  # one table per stack, shared by its layers (as in T5)
@@ -791,7 +790,7 @@ class Transformer(nn.Module):
 
     def check_length(self, T):
         c = self.config  # a table as long as block_size: learned positions, Linformer's projections, BigBird's blocks
-        if (c.pos == "learned" or c.attention == "linformer" or c.n_random) and T > c.block_size:
+        if (c.pos == "learned" or ATTENTIONS[c.attention].fixed_length or c.n_random) and T > c.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={c.block_size}, the end of the "
                              "learned position table (or Linformer's projections, BigBird's blocks): crop the input")
 
@@ -814,16 +813,17 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def redraw_features(self, step, seed):
-        """Performer: after optimizer step `step`, every feature_redraw steps, each layer draws a new
-        random projection, from (seed, step), so that a resumed run draws what it would have drawn.
-        Evaluation and sampling never call it: they use the projection trained with, saved with it."""
+        """A kind that redraws (Performer's features): after optimizer step `step`, every feature_redraw
+        steps, each layer draws anew, from (seed, step), so that a resumed run draws what it would have
+        drawn. Evaluation and sampling never call it: they use the draws trained with, saved with them."""
         n = self.config.feature_redraw
         if not n or step % n:
             return
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
         for m in self.modules():
-            if isinstance(m, Attention) and m.kind == "performer":
-                m.proj.copy_(efficient.random_features(*m.proj.shape, generator))
+            if isinstance(m, Attention) and ATTENTIONS[m.kind].redraws:
+                for name, t in ATTENTIONS[m.kind].draws(self.config, generator).items():
+                    getattr(m, name).copy_(t)
 
     # ------------------------------------------------------------------------------------------
     # The caches that generation reads and writes (generate.py drives them)
