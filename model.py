@@ -195,7 +195,7 @@ class ModelConfig:
              "no window (set window=0), nor global tokens beside one (set n_global=0)"),
             (self.arch == "prefix-lm" and (a != "softmax" or self.window), "a prefix LM reads its prefix both "
              "ways and the rest causally, in one mask over whole sequences: with softmax attention and no window"),
-            (self.feature_redraw and a != "performer", "feature_redraw draws a performer's random features: set "
+            (self.feature_redraw and not kind.redraws, "feature_redraw draws a performer's random features: set "
              "attention='performer', or feature_redraw=0"),
             (self.arch == "decoder" and not kind.causal, f"{a} attention mixes later keys into earlier ones, so a "
              "decoder cannot have it: use it in an encoder (or an encoder-decoder's encoder)"),

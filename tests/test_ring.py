@@ -81,12 +81,14 @@ def assert_matches_one_process(results, seed, causal):
         torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_ring_attention_equals_one_process_attention(world, causal, tmp_path):
     assert_matches_one_process(launch(world, tmp_path, causal), seed=0, causal=causal)
 
 
+@pytest.mark.slow
 def test_ring_attention_runs_within_each_subgroup(tmp_path):
     # two rings of two in a world of four, their members not neighbours in the world: the ring's
     # neighbours must be found by group rank and translated to global ranks
