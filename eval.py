@@ -3,7 +3,7 @@ Evaluate a model: the loss of a text (per token, bits per byte, perplexity), or 
 multiple-choice questions in HellaSwag's schema, computed as lm-evaluation-harness computes them.
 
     python eval.py --out_dir=out-shakespeare-char --text=data/shakespeare_char/input.txt
-    python eval.py --init_from=gpt2 --tasks=hellaswag.jsonl --out=results.json   # a Hugging Face model
+    python eval.py --init_from=gpt2 --tasks=hellaswag --out=results.json   # a Hugging Face model on HellaSwag
     python eval.py --out_dir=out-shakespeare-char-bert --text=input.txt   # an encoder: masked tokens
 
 --text: every token is scored once, the first after the end-of-text token, in rolling windows of
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from checkpoint import describe, for_sampling
 from hf import load_source
-from common import UsageError, check_ranges, parse_settings, read_text_file, usage, write_atomic
+from common import UsageError, check_ranges, fetch_url, parse_settings, read_text_file, usage, write_atomic
 from device import pick_device, pick_dtype, precision, run_script
 from tokenizer import END_OF_TEXT, hf_end_of_text, token_names
 
@@ -44,7 +44,8 @@ class EvalConfig:
     init_from: str = "resume"  # "resume" (the run in out_dir), or a Hugging Face model directory or hub name
     ckpt: str = "best"  # "best" (lowest val loss, best.pt) or "latest" (ckpt.pt)
     text: str = ""  # a UTF-8 text file: its loss per token, bits per byte and perplexity
-    tasks: str = ""  # a .jsonl file of multiple-choice questions in HellaSwag's schema: ctx, endings, label
+    tasks: str = ""  # a .jsonl file of multiple-choice questions in HellaSwag's schema (ctx, endings, label), or
+    # "hellaswag": its validation set, fetched once into the cache ($NANOFORMER_CACHE), as llm.c's hellaswag.py does
     out: str = ""  # also write the results to this JSON file
     batch_size: int = 8  # windows (or endings) scored at once
     seed: int = 1337  # which tokens an encoder's --text masks
@@ -71,7 +72,7 @@ def main(argv):
     cfg = EvalConfig(**parse_settings(argv, EvalConfig)[0])
     check(cfg)
     text = read_text(cfg.text) if cfg.text else None
-    questions = read_tasks(cfg.tasks) if cfg.tasks else None
+    questions = read_tasks(tasks_file(cfg.tasks)) if cfg.tasks else None
     device = pick_device(cfg.device)
     weights, autocast = precision(pick_dtype(cfg.dtype, device), device)
     model, ckpt = load_source(cfg.init_from, cfg.out_dir, cfg.ckpt)  # a run's checkpoint or a Hugging Face model
@@ -105,6 +106,23 @@ def read_text(path):
     if not text:
         raise UsageError(f"text file {path!r} is empty: give a file with text to score")
     return text
+
+
+# HellaSwag's validation set (Zellers et al. 2019) where its authors publish it: its URL and its count of questions
+HELLASWAG = ("https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl", 10042)
+
+
+def tasks_file(tasks):
+    """The file of --tasks: the one given, or for "hellaswag" the cached validation set (fetched once)."""
+    if tasks != "hellaswag":
+        return tasks
+    url, n = HELLASWAG
+
+    def check(path):  # a cut-off download or an error page has another count of lines
+        with open(path, "rb") as f:
+            lines = sum(1 for line in f if line.strip())
+        return None if lines == n else f"{lines:,} lines, not HellaSwag's {n:,} questions"
+    return fetch_url(url, "hellaswag_val.jsonl", check)
 
 
 def read_tasks(path):

@@ -5,6 +5,7 @@ ways; an encoder scores its masked tokens; bad input refused in one line."""
 
 import json
 import math
+import os
 import random
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint
+import common
 import eval as evaluate
 import hf
 import prepare
@@ -261,3 +263,26 @@ def test_a_run_and_its_export_resolve_to_the_same_model_tokenizer_and_tokens(exp
     with torch.no_grad():  # the export keeps only the ids the run uses
         a, b = ours(idx)[0][..., :theirs.config.vocab_size], theirs(idx)[0]
     assert torch.allclose(a, b, atol=1e-5 * a.abs().max().item())  # the same weights; fp32 rounding of sums
+
+
+def test_hellaswag_is_fetched_once_into_the_cache_and_scored_as_a_tasks_file(trained, in_process, refusal, monkeypatch,
+                                                                            tmp_path):
+    """--tasks=hellaswag downloads the validation set once (here a stand-in served from a file:// URL),
+    keeps it only whole, scores it as the same file given by name, and offline with nothing cached
+    says so in one line."""
+    d = trained
+    write_tasks(d / "stand-in.jsonl", n=12, seed=5)
+    monkeypatch.setattr(common, "CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(evaluate, "HELLASWAG", ((d / "stand-in.jsonl").as_uri(), 13))  # one more than it has
+    refusal(evaluate.main, ["--out_dir=out-ok", "--tasks=hellaswag"], "12 lines, not HellaSwag's 13", cwd=d)
+    assert not os.path.exists(tmp_path / "cache" / "hellaswag_val.jsonl")  # a wrong download is not kept
+    monkeypatch.setattr(evaluate, "HELLASWAG", ((d / "stand-in.jsonl").as_uri(), 12))
+    for args in (["--tasks=hellaswag", "--out=h.json"], ["--tasks=stand-in.jsonl", "--out=f.json"]):
+        assert in_process(evaluate.main, ["--out_dir=out-ok", *args], cwd=d) == 0
+    assert json.loads((d / "h.json").read_text()) == json.loads((d / "f.json").read_text())
+    monkeypatch.setattr(evaluate, "HELLASWAG", ("http://127.0.0.1:9/hellaswag_val.jsonl", 12))  # nothing listens
+    assert in_process(evaluate.main, ["--out_dir=out-ok", "--tasks=hellaswag", "--out=c.json"], cwd=d) == 0  # cached
+    assert json.loads((d / "c.json").read_text()) == json.loads((d / "f.json").read_text())
+    monkeypatch.setattr(common, "CACHE", str(tmp_path / "empty"))
+    refusal(evaluate.main, ["--out_dir=out-ok", "--tasks=hellaswag"], "could not download", "check the network",
+            str(tmp_path / "empty" / "hellaswag_val.jsonl"), cwd=d)
