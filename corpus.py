@@ -87,13 +87,14 @@ def jsonl_rows(path, column):
             stream = need("zstandard", "reading .jsonl.zst").ZstdDecompressor().stream_reader(raw)
         else:
             stream = raw
-        n = 0
+        done = 0  # lines read whole
         try:
             for n, line in enumerate(io.TextIOWrapper(stream, encoding="utf-8"), 1):
                 if line.strip():
                     yield row_text(json.loads(line), column, path, n)
+                done = n
         except (ValueError, EOFError, OSError) as e:  # bad JSON or UTF-8, a cut-off archive
-            raise UsageError(f"{path} line {n + 1} cannot be read ({type(e).__name__}: {e}): "
+            raise UsageError(f"{path} line {done + 1} cannot be read ({type(e).__name__}: {e}): "
                              "give whole files of one JSON object a line, in UTF-8") from None
         except Exception as e:  # zstandard's ZstdError is an Exception of its own
             raise UsageError(f"{path} cannot be decompressed ({e}): give a whole .jsonl.zst file") from None
@@ -150,32 +151,35 @@ def fetch_shard(repo, revision, filename, local_dir):
 
 
 def web_shards(name):
-    """Yield the local paths of a web corpus's shards in order, each downloaded when it is first
-    needed. A shard already whole in the cache, and the listing once made, need no network."""
+    """The local paths of a web corpus's shards in order, each downloaded as it is first needed (a
+    generator); the packages, the listing and the network are checked at once. A shard already
+    whole in the cache, and the listing once made, need no network."""
     repo, revision, pattern = WEB[name]
     need("huggingface_hub", f"downloading {name}")
     need("pyarrow.parquet", f"reading {name}'s .parquet shards")
-    local, checked = hub_cache(repo), False
+    local = hub_cache(repo)
     listing = os.path.join(local, f"shards-{revision.replace('/', '-')}.json")
     try:
         if not os.path.exists(listing):
             check_online()
-            checked = True
-            names = list_shards(repo, revision, pattern)
             os.makedirs(local, exist_ok=True)
-            write_atomic(listing, json.dumps(names).encode())
+            write_atomic(listing, json.dumps(list_shards(repo, revision, pattern)).encode())
         with open(listing) as f:
             names = json.load(f)
-        for filename in names:
-            path = os.path.join(local, filename)
-            if not os.path.exists(path):  # only a whole download is ever moved to this name
-                if not checked:
-                    check_online()
-                    checked = True
-                print(f"downloading {repo}/{filename}", file=sys.stderr)
-                fetch_shard(repo, revision, filename, local)
-            yield path
-    except UsageError:
-        raise
-    except Exception as e:  # no network, HF_HUB_OFFLINE, a download cut off: nothing of it is used
+        if names and not os.path.exists(os.path.join(local, names[0])):
+            check_online()
+    except Exception as e:  # no network, HF_HUB_OFFLINE
         raise offline(repo, e) from None
+    return fetched(repo, revision, names, local)
+
+
+def fetched(repo, revision, names, local):
+    for filename in names:
+        path = os.path.join(local, filename)
+        if not os.path.exists(path):  # only a whole download is ever moved to this name
+            print(f"downloading {repo}/{filename}", file=sys.stderr)
+            try:
+                fetch_shard(repo, revision, filename, local)
+            except Exception as e:  # the network gone midway, a download cut off: nothing of it is used
+                raise offline(repo, e) from None
+        yield path

@@ -183,14 +183,14 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None, colum
     out = os.path.join(data_dir, name)
     documents = bool(web or val_tokens or any(map(is_documents, paths)))
     settings = {k: v for k, v in dict(column=column * documents, val_tokens=val_tokens, tokens=tokens).items() if v}
-    if web:
-        inputs, total, digest = [web], 0, None
-        paths = None
+    if web:  # the hub is reached (or the cache found) before any other work
+        inputs, total, digest, paths = [web], 0, None, None
     else:
         inputs, total, digest = check_inputs(paths, documents)
     if is_complete(out, paths, inputs, tokenizer, settings):
         print(f"{out} is already prepared: nothing to do", file=sys.stderr)
         return out
+    shards = web_shards(web) if web else None  # the hub is reached (or the cache found) before other work
     created = not os.path.isdir(out)
     try:
         os.makedirs(out, exist_ok=True)
@@ -202,7 +202,7 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None, colum
     try:
         how = dict(column=column, documents=documents, val_tokens=val_tokens, tokens=tokens)
         about = dict(source=source, inputs=inputs, **{"settings": settings} if settings else {})
-        write_dataset(out, web_shards(web) if web else paths, total, tokenizer, workers or min(8, os.cpu_count() or 1),
+        write_dataset(out, shards if web else paths, total, tokenizer, workers or min(8, os.cpu_count() or 1),
                       about, how, digest)
     except BaseException as e:  # bad input found midway, a full disk or a signal: leave nothing half made
         for tmp in ("train.bin.tmp", "val.bin.tmp", "meta.json.tmp"):
@@ -397,12 +397,12 @@ def main(argv):
     if not cfg.dataset:
         raise UsageError("name a dataset: python prepare.py shakespeare_char (or shakespeare, or text --input=...)")
     check_ranges(cfg, RANGES)
+    if os.sep in cfg.name or cfg.name in (".", ".."):  # it names data_dir/<name>, which train.py reads
+        raise UsageError(f"--name={cfg.name!r} is a path: give a plain name such as mydata, and --data_dir "
+                         "for the folder that holds it")
     if cfg.dataset == "text":
         if not cfg.input or not cfg.name:
             raise UsageError("`text` needs --input='files/*.txt' and --name=mydata")
-        if os.sep in cfg.name or cfg.name in (".", ".."):  # it names data_dir/<name>, which train.py reads
-            raise UsageError(f"--name={cfg.name!r} is a path: give a plain name such as mydata, and --data_dir "
-                             "for the folder that holds it")
         tokenizer_meta(cfg.tokenizer)  # a bad --tokenizer is refused before any work
         paths = sorted(p for p in glob.glob(os.path.expanduser(cfg.input), recursive=True) if os.path.isfile(p))
         if not paths:
