@@ -10,7 +10,6 @@ import gzip
 import io
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -183,3 +182,116 @@ def fetched(repo, revision, names, local):
             except Exception as e:  # the network gone midway, a download cut off: nothing of it is used
                 raise offline(repo, e) from None
         yield path
+
+
+# ----------------------------------------------------------------------------------------------
+# python bench.py prepare: prepare.py's speed and memory against tiktoken's own batch encoder
+
+@dataclass
+class PrepareBenchConfig:
+    size: str = "1GB"  # the corpus: the complete works of Shakespeare repeated to this size (50MB, 1GB, 4GB)
+    workers: int | None = None  # prepare.py's GPT-2 processes, tiktoken's threads (default: prepare.py's)
+    dir: str = ""  # where the corpus and the dataset are written, then removed (default: the system's temporary folder)
+
+
+def byte_count(text):
+    """--size=1GB, 4GB, 50MB or 1e9 as a number of bytes (decimal units)."""
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+    try:
+        n = float(text[:-2]) * units[text[-2:].upper()] if text[-2:].upper() in units else float(text)
+    except ValueError:
+        n = 0
+    if n < 1e6:
+        raise UsageError(f"--size={text!r} is not a size of at least 1MB: write --size=1GB, 4GB or 50MB")
+    return int(n)
+
+
+def make_bench_corpus(path, size):
+    """A text file of `size` bytes: Shakespeare's works again and again (tiktoken keeps no cache of
+    words, so a repeat costs what new text of the same words costs)."""
+    with open(shakespeare_text(), "rb") as f:
+        works = f.read()
+    with open(path, "wb") as f:
+        for _ in range(size // len(works)):
+            f.write(works)
+        f.write(works[: size % len(works)].rsplit(b"\n", 1)[0] + b"\n")
+    return path
+
+
+def tree_memory(pid):
+    """(RSS, PSS) in bytes summed over pid and its descendants: RSS counts pages that forked workers
+    share once per process (an upper bound); PSS shares them out (what the tree takes)."""
+    rss = pss = 0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith(("Rss:", "Pss:")):
+                        kb = int(line.split()[1]) * 1024
+                        rss, pss = (rss + kb, pss) if line.startswith("Rss:") else (rss, pss + kb)
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):  # a process that ended meanwhile
+            pass
+    return rss, pss
+
+
+def run_watched(cmd, every=0.05):
+    """Run cmd; (seconds, exit status, peak summed RSS, peak summed PSS of its process tree, stderr's last line)."""
+    start, peak = time.time(), [0, 0]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = []
+    reader = threading.Thread(target=lambda: err.extend(p.stderr))  # the pipe never fills
+    reader.start()
+    while p.poll() is None:
+        peak = [max(a, b) for a, b in zip(peak, tree_memory(p.pid))]
+        time.sleep(every)
+    reader.join()
+    return time.time() - start, p.returncode, *peak, (err[-1].strip() if err else "")
+
+
+def tiktoken_speed(path, workers):
+    """Seconds and tokens of tiktoken's encode_ordinary_batch on the file, read in pieces of 1 MB cut at
+    a line's end, 4 per thread a batch (as prepare.py hands out its text)."""
+    from tokenizer import gpt2_encoding
+    enc, tokens, start = gpt2_encoding(), 0, time.time()
+    with open(path, encoding="utf-8") as f:
+        while pieces := [p for p in (f.read(1 << 20) + f.readline() for _ in range(4 * workers)) if p]:
+            tokens += sum(map(len, enc.encode_ordinary_batch(pieces, num_threads=workers)))
+    return time.time() - start, tokens
+
+
+def bench_prepare(argv):
+    """prepare.py text --tokenizer=gpt2 on a corpus of --size bytes (Shakespeare's works repeated):
+    MB/s, tokens/s and the peak memory of its whole process tree (every process's RSS and PSS summed,
+    sampled every 50 ms; Linux), against tiktoken's encode_ordinary_batch on the same text with as many
+    threads as prepare.py has workers."""
+    import tempfile
+    cfg = PrepareBenchConfig(**parse_settings(argv, PrepareBenchConfig)[0])
+    check_ranges(cfg, dict(workers="[1, inf)"))
+    size, workers = byte_count(cfg.size), cfg.workers or min(8, os.cpu_count() or 1)
+    prepare_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare.py")
+    with tempfile.TemporaryDirectory(dir=cfg.dir or None) as tmp:
+        path = make_bench_corpus(os.path.join(tmp, "corpus.txt"), size)
+        cmd = [sys.executable, prepare_py, "text", f"--input={path}", "--name=bench", f"--data_dir={tmp}",
+               f"--workers={workers}"]
+        seconds, code, rss, pss, last = run_watched(cmd)
+        if code:
+            raise UsageError(f"prepare.py failed (status {code}): {last}")
+        with open(os.path.join(tmp, "bench", "meta.json")) as f:
+            meta = json.load(f)
+        tokens = meta["train_tokens"] + meta["val_tokens"]
+        base_seconds, base_tokens = tiktoken_speed(path, workers)
+    print(f"{size / 1e6:,.0f} MB of text (Shakespeare's works repeated), GPT-2 BPE, {workers} workers; "
+          f"{os.cpu_count()} cores")
+    print(f"prepare.py:                {size / 1e6 / seconds:7.2f} MB/s  {tokens / seconds:12,.0f} tokens/s  "
+          f"({tokens:,} tokens in {seconds:.1f} s)")
+    print(f"tiktoken encode_ordinary_batch: {size / 1e6 / base_seconds:7.2f} MB/s  "
+          f"{base_tokens / base_seconds:12,.0f} tokens/s  ({base_tokens:,} tokens in {base_seconds:.1f} s)")
+    print(f"prepare.py / tiktoken:     {base_seconds / seconds:.2f}x")
+    # (not RUSAGE_CHILDREN: its largest process is the fork of this one, with torch, before prepare.py's exec)
+    print(f"peak memory of prepare.py's processes: {pss / 2**20:,.0f} MiB (PSS summed), "
+          f"{rss / 2**20:,.0f} MiB (RSS summed)")
+    return 0
