@@ -183,10 +183,10 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None, colum
     out = os.path.join(data_dir, name)
     documents = bool(web or val_tokens or any(map(is_documents, paths)))
     settings = {k: v for k, v in dict(column=column * documents, val_tokens=val_tokens, tokens=tokens).items() if v}
-    if web:  # the hub is reached (or the cache found) before any other work
+    if web:  # its name stands for the input: the shards come as they are needed
         inputs, total, digest, paths = [web], 0, None, None
     else:
-        inputs, total, digest = check_inputs(paths, documents)
+        inputs, total, digest = check_inputs(paths)
     if is_complete(out, paths, inputs, tokenizer, settings):
         print(f"{out} is already prepared: nothing to do", file=sys.stderr)
         return out
@@ -216,7 +216,7 @@ def prepare(name, paths, tokenizer, source, data_dir="data", workers=None, colum
     return out
 
 
-def check_inputs(paths, documents):
+def check_inputs(paths):
     """Each file's path and size, their total, and the digest of rows' files (of .txt alone, the
     digest of the text read, made as it is read)."""
     try:  # find out now, not midway
