@@ -30,6 +30,9 @@ def load_data(data_dir, dataset):
             meta = json.load(f)
         data = {s: np.memmap(os.path.join(path, f"{s}.bin"), dtype=meta["dtype"], mode="r") for s in ("train", "val")}
         check_meta(meta)
+        for s, d in data.items():  # a file cut short (a copy stopped midway) reads as other tokens
+            if len(d) != meta[f"{s}_tokens"]:
+                raise ValueError(f"{s}.bin holds {len(d):,} tokens, meta.json says {meta[f'{s}_tokens']:,}")
     except (OSError, ValueError, KeyError, TypeError) as e:  # a missing, empty or cut-off file; a bad meta.json
         raise UsageError(f"dataset {dataset!r} is damaged ({type(e).__name__}: {e}): move {path} "
                          "aside and prepare it again") from None

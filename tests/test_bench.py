@@ -173,3 +173,23 @@ def test_bench_from_the_command_line_answers_help_and_refuses_in_one_line_with_e
     assert out == "" and one_line_error((code2, out, err), "choose one of train, sample, attention, stream, family, scaling")
     assert err == "bench.py: error: unknown benchmark 'attentoin': choose one of train, sample, attention, stream, family, scaling " \
                   "(python bench.py --help lists their settings)\n", err
+
+
+# ----------------------------------------------------------------------------------------------
+# prepare.py's speed and memory
+
+def test_bench_prepare_measures_prepare_py_and_tiktoken_on_the_same_text(tmp_path, in_process, gpt2_bpe, capsys):
+    assert in_process(bench.main, ["prepare", "--size=3MB", "--workers=1", f"--dir={tmp_path}"], cwd=tmp_path) == 0
+    out = capsys.readouterr().out
+    ours = re.search(r"^prepare.py: +([\d.]+) MB/s +([\d,]+) tokens/s +\(([\d,]+) tokens in ([\d.]+) s\)$", out, re.M)
+    theirs = re.search(r"^tiktoken encode_ordinary_batch: +([\d.]+) MB/s +([\d,]+) tokens/s +\(([\d,]+) tokens", out, re.M)
+    n, m = (int(x[3].replace(",", "")) for x in (ours, theirs))
+    assert abs(n - m) < 100 and n > 500_000  # the same text (cut into pieces at other lines)
+    assert float(re.search(r"^prepare.py / tiktoken: +([\d.]+)x$", out, re.M)[1]) > 0
+    pss, rss = (float(x.replace(",", "")) for x in re.search(r"([\d,]+) MiB \(PSS summed\), ([\d,]+) MiB \(RSS", out).groups())
+    assert 10 < pss <= rss < 2000
+    assert list(tmp_path.iterdir()) == []  # the corpus and the dataset removed
+
+
+def test_bench_prepare_refuses_a_size_it_cannot_read(refusal):
+    refusal(bench.main, ["prepare", "--size=lots"], "--size='lots' is not a size", "--size=1GB")

@@ -1,6 +1,7 @@
 """Training data (data.py): the batches of the objectives (next token, a prefix LM's suffix, masked LM,
 span corruption, BART's denoising), Transformer-XL's streams, and the seed of every batch of a run."""
 
+import json
 import math
 
 import numpy as np
@@ -178,3 +179,33 @@ def test_bart_batch_reconstructs_the_text_from_its_noised_rows_padded_or_cropped
     t = data.get_batch(text, "encoder-decoder", 8, 64, torch.Generator().manual_seed(0), tokens, 50, objective="bart")
     assert t["src"].shape == (8, 64) and torch.equal(t["idx"][:, 1:], t["targets"][:, :-1])
     assert ((t["src"] == tokens["mask"]) & t["src_mask"]).any(1).all()
+
+
+def test_batches_are_drawn_past_2_to_the_31_tokens_of_a_memory_mapped_file(tmp_path, monkeypatch):
+    # FineWeb-Edu's 10B sample is 5 times 2^31 tokens: offsets and lengths must not wrap at 32 bits. A
+    # sparse file of 3 * 2^31 + 1,000 tokens takes no disk but the few known tokens written near its end
+    n, tail = 3 * 2**31 + 1000, np.arange(1, 501, dtype=np.uint16)
+    d = tmp_path / "big"
+    d.mkdir()
+    with open(d / "train.bin", "wb") as f:
+        f.truncate(2 * n)
+        f.seek(2 * (n - len(tail)))
+        f.write(tail.tobytes())
+    (d / "val.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+    meta = dict(vocab_size=50257, tokenizer="gpt2", dtype="uint16", train_tokens=n, val_tokens=100)
+    (d / "meta.json").write_text(json.dumps(meta))
+    loaded, _ = data.load_data(str(tmp_path), "big")  # the checks of meta.json hold past 2^31
+    train = loaded["train"]
+    assert len(train) == n and train[n - 1] == 500 and train[n - 500] == 1
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(n - 9, (10_000,), generator=g)  # get_batch's draw: int64, over the whole file
+    assert (starts > 2**32).float().mean() > 0.3 and starts.max() <= n - 10  # a third of them past 2^32
+    picked = iter([[n - 9, n - 300]])  # two rows from the known tail: x is the row, its targets shifted by one
+    monkeypatch.setattr(torch, "randint", lambda high, size, generator: torch.tensor(next(picked)))
+    b = data.get_batch(train, "decoder", 2, 8, g, {}, 50257)
+    assert b["idx"].tolist() == [list(range(492, 500)), list(range(201, 209))]
+    assert b["targets"].tolist() == [list(range(493, 501)), list(range(202, 210))]
+    meta["train_tokens"] = n + 1  # a file cut short is refused
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(data.UsageError, match="train.bin holds 6,442,451,944 tokens, meta.json says 6,442,451,945"):
+        data.load_data(str(tmp_path), "big")
