@@ -167,6 +167,32 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def test_keep_checkpoints_keeps_the_last_n_states_of_ckpt_pt_each_one_that_resumes(workdir, in_process, monkeypatch,
+                                                                                   capsys, tiny_args):
+    d, _ = workdir
+    args = ["--dataset=verse", *tiny_args, "--eval_interval=2", "--keep_checkpoints=2"]
+    kept = lambda out: sorted(p.name for p in (d / out).glob("ckpt-*"))  # noqa: E731
+    assert in_process(train.main, [*args, "--out_dir=out-keep", "--max_iters=7"], cwd=d) == 0  # saves 0, 2, 4, 6, 7
+    assert kept("out-keep") == ["ckpt-6.pt", "ckpt-7.pt"]
+    assert (d / "out-keep" / "ckpt-7.pt").read_bytes() == (d / "out-keep" / "ckpt.pt").read_bytes()
+    assert os.stat(d / "out-keep" / "ckpt-7.pt").st_nlink == 2  # a hard link: no bytes written twice
+    # a kept state is a checkpoint like any: the run from 6 again ends where the run did
+    os.makedirs(d / "out-keep-6")
+    shutil.copy(d / "out-keep" / "ckpt-6.pt", d / "out-keep-6" / "ckpt.pt")
+    assert in_process(train.main, [*args, "--out_dir=out-keep-6", "--max_iters=7", "--init_from=resume"], cwd=d) == 0
+    a, b = (torch.load(d / out / "ckpt.pt", weights_only=True)["model"] for out in ("out-keep", "out-keep-6"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a file system without hard links gets copies, written as a checkpoint is
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(checkpoint.os, "link", no_links)
+    assert in_process(train.main, [*args, "--out_dir=out-keep-copy", "--max_iters=5"], cwd=d) == 0
+    assert kept("out-keep-copy") == ["ckpt-4.pt", "ckpt-5.pt"] and not glob.glob(str(d / "out-keep-copy" / "*.tmp.*"))
+    assert (d / "out-keep-copy" / "ckpt-5.pt").read_bytes() == (d / "out-keep-copy" / "ckpt.pt").read_bytes()
+    assert os.stat(d / "out-keep-copy" / "ckpt-5.pt").st_nlink == 1
+    assert kept("out-keep-6") == ["ckpt-7.pt"]  # it saved 7 alone (6 was its start)
+
+
 @pytest.mark.slow
 def test_killing_the_process_mid_save_leaves_the_previous_checkpoint_loadable(workdir, run, in_process, capsys,
                                                                               losses, tiny_args):

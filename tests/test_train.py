@@ -286,6 +286,33 @@ def test_a_resumed_run_may_change_attn_impl_and_dropout_and_says_which_settings_
     assert "linear_impl" not in saved["model_config"]
 
 
+def test_init_from_auto_starts_a_run_then_resumes_it_exactly_and_refuses_another_models_checkpoint(
+        workdir, in_process, refusal, files_under, capsys, losses, tiny_args):
+    """What a run that torchrun --max_restarts starts again relies on (tested so under torchrun below)."""
+    d, _ = workdir
+    args = ["--dataset=verse", *tiny_args, "--eval_interval=2"]
+    auto = [*args, "--out_dir=out-auto", "--init_from=auto"]
+    assert in_process(train.main, [*auto, "--max_iters=2"], cwd=d) == 0  # an empty out_dir: a new run
+    assert in_process(train.main, [*auto, "--max_iters=4"], cwd=d) == 0  # its checkpoint: resumed
+    log = capsys.readouterr().out
+    assert "resuming out-auto/ckpt.pt from iteration 2 (--init_from=auto)" in log and len(losses(log)) == 4
+    assert in_process(train.main, [*args, "--out_dir=out-auto-straight", "--max_iters=4"], cwd=d) == 0
+    a, b = (torch.load(d / out / "ckpt.pt", weights_only=True)["model"] for out in ("out-auto", "out-auto-straight"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    before = files_under(d / "out-auto")
+    # another model's run is refused, not resumed with its settings: one asked for on the command line, or
+    # a default that differs from the checkpoint's (which --init_from=resume would take from it, as ever)
+    refusal(train.main, [*auto, "--n_layer=3"], "--n_layer=3 does not match out-auto/ckpt.pt's n_layer=2", cwd=d)
+    refusal(train.main, [a for a in auto if a != "--n_embd=32"], "--init_from=auto: the default n_embd=768 does not "
+            "match out-auto/ckpt.pt's n_embd=32: set --n_embd=32 to continue that run", cwd=d)
+    os.makedirs(d / "out-auto-best")  # best.pt alone is no run to resume: refused as a new run over it
+    shutil.copy(d / "out-auto" / "best.pt", d / "out-auto-best")
+    refusal(train.main, [*args, "--out_dir=out-auto-best", "--init_from=auto"],
+            "out-auto-best/best.pt holds a run that a new one would overwrite", cwd=d)
+    assert {p: b for p, b in files_under(d / "out-auto").items() if p.name != ".lock"} == \
+        {p: b for p, b in before.items() if p.name != ".lock"}
+
+
 def test_a_run_resumes_in_another_precision(trained, in_process, capsys, tiny_args):
     d = trained
     shutil.copytree(d / "out-ok", d / "out-fp16")
@@ -311,6 +338,7 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path, refusal, monk
         (("--device=CPU",), ["--device=CPU is not known: choose auto, cpu, cuda, cuda:N or mps"]),
         (("--batch_size=0",), ["batch_size=0 must be at least 1"]),
         (("--eval_interval=0",), ["eval_interval=0 must be at least 1"]),
+        (("--keep_checkpoints=-1",), ["keep_checkpoints=-1 must be at least 0"]),
         (("--gradient_accumulation_steps=-2",), ["gradient_accumulation_steps=-2 must be at least 1"]),
         (("--grad_clip=-1",), ["grad_clip=-1.0 must be at least 0"]),
         (("--beta1=2",), [r"beta1=2.0 must lie in [0, 1)"]),
@@ -551,6 +579,6 @@ def test_the_first_iteration_and_a_long_evaluation_show_at_once_and_a_cpu_gets_n
     notice = [i for i, line in enumerate(log) if re.fullmatch(r"step 0: evaluating 4 batches per rank, about \d+ s", line)]
     assert notice and log[notice[0] + 1].startswith("step 0: train loss")  # said before its result
     iters = [line for line in log if line.startswith("iter ")]
-    assert len(iters) == 1 and re.fullmatch(r"iter 1: loss \S+, lr \S+, \S+ ms/iter, \S+ tokens/s, \d+:\d\d:\d\d left",
-                                            iters[0])
+    assert len(iters) == 1 and re.fullmatch(r"iter 1: loss \S+, lr \S+, \S+ ms/iter, \S+ tokens/s, 64/192 tokens, "
+                                            r"\d+:\d\d:\d\d left", iters[0])  # 4 x 16 tokens an iteration, of 3
     assert not any("mfu" in line.lower() for line in log)
