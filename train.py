@@ -41,8 +41,8 @@ from common import UsageError, check_ranges, parse_settings, usage
 from data import (STREAM, batch_rng, check_data, eval_rng, get_batch, load_data, sentence_ends, special_tokens,
                   stream_batch)
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, sync
-from distributed import (all_ranks, context_group, context_line, context_shard, finite, fully_shard, memory_line, shard,
-                         sharded, state_dicts)
+from distributed import (all_ranks, context_group, context_line, context_shard, finite, fully_shard, join_ranks,
+                         memory_line, shard, sharded, state_dicts)
 from model import ModelConfig, Transformer
 from lora import add_lora, lora_line
 from optim import Budget, Skips, budget_seconds, lr_factor, make_optimizer, optimizer_step
@@ -341,8 +341,7 @@ def train(cfg, model_args, held, given=()):
     tokens = (ckpt["tokens"] if ckpt else special_tokens(meta["vocab_size"])) | sentence_ends(meta, cfg.objective)
     check_fits(config, cfg, data, device, tokens, ddp)
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
-        dist.init_process_group(backend=cfg.backend if cfg.backend != "auto" else
-                                "nccl" if device.type == "cuda" else "gloo")
+        join_ranks(cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo")
     group = context_group(cfg.context_parallel, rank, world) if cfg.context_parallel > 1 else None
 
     model = build_model(cfg, config, ckpt, device, rank)

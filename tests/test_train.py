@@ -4,6 +4,7 @@ settings, data and memory are refused in one line; a non-finite loss keeps the l
 checkpoint; the learning rate schedule and the log."""
 
 import io
+import json
 import os
 import re
 import shutil
@@ -532,6 +533,40 @@ def test_a_crashed_rank_makes_the_others_exit_instead_of_hanging(workdir, start,
     os.kill(max(children(p.pid)), signal.SIGKILL)  # one of the two ranks dies without a word
     p.communicate(timeout=300)  # rather than waiting for the dead rank's gradients (30 minutes, gloo's timeout)
     assert p.returncode != 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
+def test_torchrun_max_restarts_with_init_from_auto_survives_a_killed_rank_and_ends_as_a_run_never_killed(
+        workdir, run, start, wait_for, tiny_args):
+    """A night's run: one of the two ranks dies (SIGKILL) after a checkpoint, with iterations trained past
+    it; torchrun starts both again, they resume from ckpt.pt, and the run ends with the weights, the
+    kept checkpoints and the metrics of the same run never killed (both under torchrun: bit for bit)."""
+    d, _ = workdir
+    args = [os.path.join(HERE, "train.py"), "--dataset=verse", "--init_from=auto", "--max_iters=30",
+            "--eval_interval=5", "--gradient_accumulation_steps=2", "--keep_checkpoints=2", *tiny_args]
+    p = start(TORCHRUN, "--standalone", "--nproc_per_node=2", "--max_restarts=3", *args, "--out_dir=out-killed",
+              cwd=d, start_new_session=True)
+    wait_for(p.stdout, "iter 7:")  # ckpt.pt holds iteration 5, and the ranks train past it
+    ranks = {int(re.search(r"\0RANK=(\d+)\0", "\0" + open(f"/proc/{pid}/environ").read())[1]): pid
+             for pid in children(p.pid)}
+    os.kill(ranks[0], signal.SIGKILL)  # the rank that writes the checkpoints and metrics
+    log, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    resumed = re.findall(r"resuming out-killed/ckpt.pt from iteration (\d+) \(--init_from=auto\)", log)
+    assert len(resumed) == 1 and 5 <= int(resumed[0]) < 30, log  # started again once, from a checkpoint
+    assert "connectFullMesh" not in err  # no rank of the new start looked for one of the old (join_ranks)
+    code, _, err = run(TORCHRUN, "--standalone", "--nproc_per_node=2", *args, "--out_dir=out-never-killed", cwd=d)
+    assert code == 0, err
+    for name in ("ckpt.pt", "ckpt-25.pt", "ckpt-30.pt"):
+        a, b = (torch.load(d / out / name, weights_only=True)["model"] for out in ("out-killed", "out-never-killed"))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    assert sorted(p.name for p in (d / "out-killed").glob("ckpt-*")) == ["ckpt-25.pt", "ckpt-30.pt"]
+    # one history: the lines that the killed ranks wrote past their checkpoint are gone, none twice
+    history = [[(r["iter"], r.get("loss"), r.get("lr"), r.get("val_loss")) for r in
+                map(json.loads, (d / out / "metrics.jsonl").read_text().splitlines())]
+               for out in ("out-killed", "out-never-killed")]
+    assert history[0] == history[1] and [i for i, loss, _, _ in history[0] if loss is not None] == list(range(1, 31))
 
 
 # ----------------------------------------------------------------------------------------------
