@@ -1,6 +1,7 @@
 """
-Checkpoints: written atomically, read safely (plain tensors and data only), and a run's model
-loaded for sampling.
+Checkpoints: where a run starts from (new, resumed, or --init_from=auto's choice of the two),
+written atomically (the last --keep_checkpoints states kept beside ckpt.pt), read safely (plain
+tensors and data only), and a run's model loaded for sampling.
 """
 
 import errno
@@ -27,7 +28,7 @@ def checkpoint_paths(out_dir):  # the latest state (--init_from=resume continues
     return os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "best.pt")
 
 
-def saved_line(path, saved_at):
+def holds(path, saved_at):  # what a run's last message says of ckpt.pt
     return "no checkpoint was written" if saved_at is None else f"{path} keeps iteration {saved_at}"
 
 
@@ -60,7 +61,7 @@ def sync_folder(path):
         os.close(dirfd)
 
 
-def save_atomic(obj, path):
+def save_atomic(obj, path):  # torch.save's file of obj, whole or not at all
     write_whole(path, lambda f: torch.save(obj, f))
 
 

@@ -5,6 +5,7 @@ Train any member of the family on one device or many.
     python train.py configs/shakespeare_char.py --n_layer=4 --pos=rope --max_iters=2000
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py --fsdp=True
+    torchrun --standalone --nproc_per_node=8 --max_restarts=3 train.py configs/gpt2_124m.py --init_from=auto
 
 Settings come from TrainConfig (below) and ModelConfig (model.py); a config file is Python
 that assigns some of them, and --key=value overrides either. The objective follows the
@@ -34,8 +35,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kernels
-from checkpoint import (checkpoint_paths, keep_checkpoints, model_config_of, prepare_out_dir, restore, save_atomic,
-                        saved_line, starting_point)
+from checkpoint import (checkpoint_paths, holds, keep_checkpoints, model_config_of, prepare_out_dir, restore,
+                        save_atomic, starting_point)
 from hf import load_source
 from common import UsageError, check_ranges, parse_settings, usage
 from data import (STREAM, batch_rng, check_data, eval_rng, get_batch, load_data, sentence_ends, special_tokens,
@@ -52,9 +53,7 @@ from report import Report, log_line
 @dataclass
 class TrainConfig:
     out_dir: str = "out"
-    # "scratch", "resume" (out_dir/ckpt.pt), "auto" (resume if out_dir holds ckpt.pt, else scratch: for a run that
-    # torchrun --max_restarts starts again), or a Hugging Face model directory or name
-    init_from: str = "scratch"
+    init_from: str = "scratch"  # "scratch", "resume" (out_dir/ckpt.pt), "auto" (resume if it exists), or a HF model
     dataset: str = "shakespeare_char"  # data/<dataset>, made by prepare.py
     data_dir: str = "data"
     # batches: gradient_accumulation_steps * batch_size * block_size tokens per step, over all ranks
@@ -419,7 +418,7 @@ def record_evaluation(run, it, losses, progress, saved_at, report):
     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
         f"({time.time() - START:.1f} s since start)")
     if not math.isfinite(losses["val"]):
-        log(f"the val loss is not finite: no checkpoint written ({saved_line(ckpt_path, saved_at)})")
+        log(f"the val loss is not finite: no checkpoint written ({holds(ckpt_path, saved_at)})")
     elif not cfg.eval_only:
         if losses["val"] < progress["best_val_loss"]:
             progress["best_val_loss"] = losses["val"]
@@ -462,7 +461,7 @@ def loop(run, it, progress, dtype):
             if writes and it != saved_at and save(run, ckpt_path, it, **progress):
                 saved_at = it
             name = signal.Signals(STOP[0]).name if STOP else "a signal to another rank"
-            log(f"stopped by {name} at iteration {it}: {saved_line(ckpt_path, saved_at)}; resume with --init_from=resume")
+            log(f"stopped by {name} at iteration {it}: {holds(ckpt_path, saved_at)}; resume with --init_from=resume")
             return 128 + (STOP[0] if STOP else signal.SIGTERM)
         if cfg.eval_only or it >= cfg.max_iters:
             break
@@ -486,7 +485,7 @@ def loop(run, it, progress, dtype):
         if (looking or it == cfg.max_iters) and (in_row := skips.read(it)) >= cfg.max_bad_steps:
             if MASTER:
                 print(f"train.py: stopping: the loss was not finite for {in_row} steps in a row; "
-                      f"{saved_line(ckpt_path, saved_at)}: lower learning_rate, raise warmup_iters or set grad_clip",
+                      f"{holds(ckpt_path, saved_at)}: lower learning_rate, raise warmup_iters or set grad_clip",
                       file=sys.stderr)
             return 1
         if looking and run.group is not None:  # context parallel: the loss of the whole batch, every shard's mean
