@@ -1,12 +1,14 @@
 """
-Checkpoints: written atomically, read safely (plain tensors and data only), and a run's model
-loaded for sampling.
+Checkpoints: where a run starts from (new, resumed, or --init_from=auto's choice of the two),
+written atomically (the last --keep_checkpoints states kept beside ckpt.pt), read safely (plain
+tensors and data only), and a run's model loaded for sampling.
 """
 
 import errno
 import fcntl
 import os
 import re
+import shutil
 from contextlib import suppress
 from dataclasses import asdict, fields, replace
 
@@ -22,13 +24,22 @@ from quantize import decode_layout, quantize_int4, quantize_int8
 from tokenizer import Tokenizer
 
 
-def save_atomic(obj, path):
-    """Write to a temporary file, flush it to disk, then rename: a crash at any instant leaves
-    either the old file or the new one, never half of one."""
+def checkpoint_paths(out_dir):  # the latest state (--init_from=resume continues it) and the lowest val loss
+    return os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "best.pt")
+
+
+def holds(path, saved_at):  # what a run's last message says of ckpt.pt
+    return "no checkpoint was written" if saved_at is None else f"{path} keeps iteration {saved_at}"
+
+
+def write_whole(path, write):
+    """Write path through write(f) into a temporary file, flush it to disk, then rename: a crash at
+    any instant leaves either the old file or the new one, never half of one. A full disk removes
+    the temporary file and stops in one line."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:  # a full disk or quota (torch.save wraps some as RuntimeError)
@@ -39,11 +50,44 @@ def save_atomic(obj, path):
         raise UsageError(f"could not write {path} ({reason}); the previous checkpoint is intact: free some space, "
                          "then continue with --init_from=resume") from None
     os.replace(tmp, path)
+    sync_folder(path)
+
+
+def sync_folder(path):
     dirfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
-        os.fsync(dirfd)  # the rename itself, on disk
+        os.fsync(dirfd)  # a rename or a link itself, on disk
     finally:
         os.close(dirfd)
+
+
+def save_atomic(obj, path):  # torch.save's file of obj, whole or not at all
+    write_whole(path, lambda f: torch.save(obj, f))
+
+
+KEPT = re.compile(r"ckpt-(\d+)\.pt")  # --keep_checkpoints: the states of ckpt.pt kept beside it
+
+
+def keep_checkpoints(path, it, n):
+    """Keep the state just written whole to path (ckpt.pt) as ckpt-<it>.pt too, then remove the
+    oldest kept ones past the last n, so that a disk that fills never leaves fewer than n whole. A
+    hard link writes no bytes (a file system without them gets a copy, written as a checkpoint is);
+    a kept one past it (a run resumed from an earlier state) is left alone."""
+    if not n:
+        return
+    out_dir, kept = os.path.dirname(path), os.path.join(os.path.dirname(path), f"ckpt-{it}.pt")
+    try:  # under a temporary name first: a ckpt-<it>.pt already there (an earlier history's) is replaced whole
+        os.link(path, f"{kept}.tmp.{os.getpid()}")
+        os.replace(f"{kept}.tmp.{os.getpid()}", kept)
+        sync_folder(kept)
+    except OSError:
+        with suppress(FileNotFoundError):
+            os.remove(f"{kept}.tmp.{os.getpid()}")
+        with open(path, "rb") as src:
+            write_whole(kept, lambda f: shutil.copyfileobj(src, f))
+    older = sorted(int(m[1]) for m in map(KEPT.fullmatch, os.listdir(out_dir)) if m and int(m[1]) <= it)
+    for k in older[:-n]:
+        os.remove(os.path.join(out_dir, f"ckpt-{k}.pt"))
 
 
 CKPT_KEYS = {"model", "optimizer", "scaler", "model_config", "train_config", "iter_num", "best_val_loss", "rng",
@@ -106,17 +150,48 @@ def restore(ckpt, model, optimizer, scaler, rank, world, device):
                     val_loss=ckpt.get("val_loss"), fitted_iters=ckpt.get("fitted_iters"), mems=mems)
 
 
+def starting_point(cfg, writes, given):
+    """What a run starts from: the training settings (cfg, with --init_from=auto made "resume" where
+    out_dir holds ckpt.pt, else "scratch") and the checkpoint to resume (None for the others). A new
+    run that would overwrite a checkpoint is refused (writes: the run saves checkpoints). given: the
+    training settings set on the command line or in a config file."""
+    ckpt_path, best_path = checkpoint_paths(cfg.out_dir)
+    if cfg.init_from == "auto":  # a run started again (torchrun --max_restarts) goes on from its last save
+        cfg = replace(cfg, init_from="resume" if os.path.exists(ckpt_path) else "scratch")
+    if writes and cfg.init_from != "resume":
+        for p in (ckpt_path, best_path):
+            if os.path.exists(p):
+                raise UsageError(f"{p} holds a run that a new one would overwrite: continue it with "
+                                 "--init_from=resume, or choose another --out_dir (or delete it)")
+    if cfg.init_from != "resume":
+        return cfg, None
+    ckpt = load_checkpoint(ckpt_path, f"copy {best_path} to {ckpt_path} to resume from the best checkpoint"
+                           if os.path.exists(best_path) else None)
+    if "dataset" not in given:  # the run's own data, unless told otherwise
+        cfg = replace(cfg, **{k: ckpt["train_config"][k] for k in ("dataset", "data_dir")
+                              if k not in given and k in ckpt["train_config"]})
+    if cfg.max_time and ckpt.get("fitted_iters"):  # a --max_time run goes on with the length it chose
+        cfg = replace(cfg, max_iters=ckpt["fitted_iters"], lr_decay_iters=ckpt["fitted_iters"])
+    return cfg, ckpt
+
+
 RUN_TIME = ("attn_impl", "dropout")  # model settings that a resumed run may change
 
 
-def model_config_of(cfg, model_args, meta, ckpt, ckpt_path):
+def model_config_of(cfg, model_args, meta, ckpt, ckpt_path, whole=False):
     """The model's settings: from the command line for a new run; else from the checkpoint to
     resume, or the pretrained model to finetune, where only RUN_TIME settings may change (and a
-    pretrained model's block_size may shrink: its position table is cropped). Returns it, and the
+    pretrained model's block_size may shrink: its position table is cropped). whole (a resume
+    that --init_from=auto chose): every setting counts as asked for, its default too, so that the
+    checkpoint of another model is refused rather than resumed. Returns the settings, and the
     training settings (cfg, train.py's) that differ from the checkpoint's, as lines to show."""
     source = ckpt_path if cfg.init_from == "resume" else cfg.init_from
     if ckpt is None:
         return new_model_config(model_args, meta["vocab_size"]), []
+    given = model_args
+    if whole:  # the vocabulary is the data's: compared below
+        model_args = {k: v for k, v in asdict(new_model_config(model_args, meta["vocab_size"])).items()
+                      if k not in RUN_TIME and k != "vocab_size"} | model_args
     try:
         config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
         may_shrink = cfg.init_from != "resume" and model_args.get("block_size", 0) <= config.block_size
@@ -127,8 +202,10 @@ def model_config_of(cfg, model_args, meta, ckpt, ckpt_path):
     saved = asdict(config)
     for k, want in model_args.items():  # from the command line or the config file
         if saved[k] != want:
-            raise UsageError(f"{as_given(k, want)} does not match {source}'s {k}={saved[k]!r}: set --{k}={saved[k]!r} "
-                             "or drop it, or train a new model (--init_from=scratch) in another --out_dir")
+            asked, fix = (as_given(k, want), "or drop it") if k in given else \
+                (f"--init_from=auto: the default {k}={want!r}", "to continue that run")
+            raise UsageError(f"{asked} does not match {source}'s {k}={saved[k]!r}: set --{k}={saved[k]!r} {fix}, or "
+                             "train a new model (--init_from=scratch) in another --out_dir")
     if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab", "tokenizer_json")):
         if cfg.init_from != "resume":
             raise UsageError(f"dataset {cfg.dataset!r} was not prepared with {source}'s tokenizer: prepare it with "

@@ -14,6 +14,9 @@ Checkpoints stay whole and plain: `state_dicts` gathers them to rank 0 in the fo
 writes, so sample.py, a one-process run and DDP read them as they read any other.
 """
 
+import os
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -33,6 +36,22 @@ def all_ranks(x, op=dist.ReduceOp.SUM, group=None):
     if dist.is_initialized():
         dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def join_ranks(backend):
+    """Connect this process to the others that torchrun started. Under torchrun --max_restarts, with
+    one torchrun for all ranks (one machine), each start of the ranks gets a namespace of its own in
+    torchrun's store: torchrun keeps one store for every start since torch 2.5, and the addresses
+    that the last start's ranks left there sent a rank started again to a dead one's port, or to a
+    wait with no end (pytorch#135712). Several machines count their starts apart, so there
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each start a store of its own (docs/training.md)."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("LOCAL_WORLD_SIZE") != env["WORLD_SIZE"]:
+        return dist.init_process_group(backend=backend)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                          timeout=timedelta(minutes=30))  # torch's default for the process group, as it sets
+    store = dist.PrefixStore(f"nanoformer/start_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend=backend, store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
 
 
 def context_group(n, rank, world):

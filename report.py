@@ -46,6 +46,22 @@ def hms(seconds):
     return f"{m // 60}:{m % 60:02d}:{s:02d}"
 
 
+def count(n):
+    """1_234_567_890 -> '1.2B', 5_200_000 -> '5.2M', 640 -> '640': a number of tokens, short."""
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+def log_line(it, loss, lr, dt, mfu, tokens_per_iter, max_iters):
+    """train.py's line every log_interval: the loss, the learning rate, the pace (dt: seconds per
+    iteration), the tokens seen of the run's total, and the time left at this pace."""
+    return (f"iter {it}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, {tokens_per_iter / dt:,.0f} tokens/s, "
+            f"{f'mfu {mfu:.1%}, ' if mfu else ''}{count(it * tokens_per_iter)}/{count(max_iters * tokens_per_iter)} "
+            f"tokens, {hms((max_iters - it) * dt)} left")
+
+
 def member(c):
     """Which member of the family a ModelConfig is: 'decoder (pos=rope, norm=rmsnorm, mlp=swiglu)'."""
     extra = [f"{c.n_expert} experts"] * bool(c.n_expert) + [f"{c.attention} attention"] * (c.attention != "softmax")

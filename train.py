@@ -5,6 +5,7 @@ Train any member of the family on one device or many.
     python train.py configs/shakespeare_char.py --n_layer=4 --pos=rope --max_iters=2000
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py --fsdp=True
+    torchrun --standalone --nproc_per_node=8 --max_restarts=3 train.py configs/gpt2_124m.py --init_from=auto
 
 Settings come from TrainConfig (below) and ModelConfig (model.py); a config file is Python
 that assigns some of them, and --key=value overrides either. The objective follows the
@@ -34,24 +35,25 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kernels
-from checkpoint import load_checkpoint, model_config_of, prepare_out_dir, restore, save_atomic
+from checkpoint import (checkpoint_paths, holds, keep_checkpoints, model_config_of, prepare_out_dir, restore,
+                        save_atomic, starting_point)
 from hf import load_source
 from common import UsageError, check_ranges, parse_settings, usage
 from data import (STREAM, batch_rng, check_data, eval_rng, get_batch, load_data, sentence_ends, special_tokens,
                   stream_batch)
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, sync
-from distributed import (all_ranks, context_group, context_line, context_shard, finite, fully_shard, memory_line, shard,
-                         sharded, state_dicts)
+from distributed import (all_ranks, context_group, context_line, context_shard, finite, fully_shard, join_ranks,
+                         memory_line, shard, sharded, state_dicts)
 from model import ModelConfig, Transformer
 from lora import add_lora, lora_line
 from optim import Budget, Skips, budget_seconds, lr_factor, make_optimizer, optimizer_step
-from report import Report, hms
+from report import Report, log_line
 
 
 @dataclass
 class TrainConfig:
     out_dir: str = "out"
-    init_from: str = "scratch"  # "scratch", "resume" (out_dir/ckpt.pt), or a Hugging Face model directory or name
+    init_from: str = "scratch"  # "scratch", "resume" (out_dir/ckpt.pt), "auto" (resume if it exists), or a HF model
     dataset: str = "shakespeare_char"  # data/<dataset>, made by prepare.py
     data_dir: str = "data"
     # batches: gradient_accumulation_steps * batch_size * block_size tokens per step, over all ranks
@@ -86,6 +88,7 @@ class TrainConfig:
     eval_only: bool = False
     log_interval: int = 10
     always_save_checkpoint: bool = True  # ckpt.pt at every eval; best.pt only when val improves
+    keep_checkpoints: int = 0  # also keep the last N states of ckpt.pt as ckpt-<iter>.pt beside it; 0 = none
     # out_dir/metrics.jsonl and report.html are always written; wandb too, as in nanoGPT, when asked
     wandb_log: bool = False
     wandb_project: str = "nanoformer"
@@ -115,14 +118,10 @@ TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), optimizer=("adamw", "muon"
                     max_iters="[0, inf)", warmup_iters="[0, inf)", lr_decay_iters="[0, inf)", learning_rate="[0, inf)",
                     min_lr="[0, inf)", weight_decay="[0, inf)", grad_clip="[0, inf)", mean_span="[1, inf)",
                     seed="[0, inf)", context_parallel="[1, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]",
-                    noise_density="(0, 1)")
+                    noise_density="(0, 1)", keep_checkpoints="[0, inf)")
 MASTER = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 logs and writes
 EVAL_NOTICE_S = 5  # an evaluation expected to take longer than this (seconds) says so early on
 STOP = []  # the signals received (SIGINT, SIGTERM): the run saves and stops at the next iteration
-
-
-def checkpoint_paths(out_dir):  # the latest state (--init_from=resume continues it) and the lowest val loss
-    return os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "best.pt")
 
 
 def log(message):
@@ -247,6 +246,8 @@ def save(run, path, iter_num, **progress):
                              scaler=run.scaler.state_dict(), model_config=asdict(run.raw_model.config),
                              train_config=asdict(run.cfg), rng=states, meta=run.meta,
                              tokens=run.tokens, iter_num=iter_num, **progress), path)
+            if path == checkpoint_paths(run.cfg.out_dir)[0]:  # after ckpt.pt is whole: an old state may go
+                keep_checkpoints(path, iter_num, run.cfg.keep_checkpoints)
         except UsageError as e:  # a full disk: every rank stops with it (rank 0 says why), rather than
             failed = e  # the others meeting a closed connection at their next collective
     if all_ranks(torch.tensor(float(failed is not None), device=run.device)).item() and not failed:
@@ -325,34 +326,21 @@ def train(cfg, model_args, held, given=()):
     writes = not cfg.eval_only  # --eval_only looks at a run and writes nothing
     if MASTER and writes:  # take out_dir, and find out now that it takes files, not at the first checkpoint
         prepare_out_dir(cfg.out_dir, held)
-    ckpt_path, best_path = checkpoint_paths(cfg.out_dir)
-    if writes and cfg.init_from != "resume":
-        for p in (ckpt_path, best_path):
-            if os.path.exists(p):
-                raise UsageError(f"{p} holds a run that a new one would overwrite: continue it with "
-                                 "--init_from=resume, or choose another --out_dir (or delete it)")
-    ckpt = None  # what the model starts from: a checkpoint to resume, or a pretrained model's weights
-    if cfg.init_from == "resume":
-        ckpt = load_checkpoint(ckpt_path, f"copy {best_path} to {ckpt_path} to resume from the best checkpoint"
-                               if os.path.exists(best_path) else None)
-        if "dataset" not in given:  # the run's own data, unless told otherwise
-            cfg = replace(cfg, **{k: ckpt["train_config"][k] for k in ("dataset", "data_dir")
-                                  if k not in given and k in ckpt["train_config"]})
-        if cfg.max_time and ckpt.get("fitted_iters"):  # a --max_time run goes on with the length it chose
-            cfg = replace(cfg, max_iters=ckpt["fitted_iters"], lr_decay_iters=ckpt["fitted_iters"])
+    ckpt_path, auto = checkpoint_paths(cfg.out_dir)[0], cfg.init_from == "auto"
+    # what the model starts from: a checkpoint to resume, or a pretrained model's weights
+    cfg, ckpt = starting_point(cfg, writes, given)
     data, meta = load_data(cfg.data_dir, cfg.dataset)
     if cfg.init_from not in ("scratch", "resume"):  # what sample.py and eval.py read it as
         model, ckpt = load_source(cfg.init_from)
         ckpt["model"] = model.state_dict()
-    config, changed = model_config_of(cfg, model_args, meta, ckpt, checkpoint_paths(cfg.out_dir)[0])
+    config, changed = model_config_of(cfg, model_args, meta, ckpt, ckpt_path, whole=auto)
     if changed:  # as in nanoGPT the training settings come from the command line: say which differ
         log("resuming with training settings changed from the checkpoint's: " + ", ".join(changed))
     # the objectives' own tokens: a mask, a decoder start, sentinels, (BART) the ends of sentences it permutes
     tokens = (ckpt["tokens"] if ckpt else special_tokens(meta["vocab_size"])) | sentence_ends(meta, cfg.objective)
     check_fits(config, cfg, data, device, tokens, ddp)
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
-        dist.init_process_group(backend=cfg.backend if cfg.backend != "auto" else
-                                "nccl" if device.type == "cuda" else "gloo")
+        join_ranks(cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo")
     group = context_group(cfg.context_parallel, rank, world) if cfg.context_parallel > 1 else None
 
     model = build_model(cfg, config, ckpt, device, rank)
@@ -364,6 +352,7 @@ def train(cfg, model_args, held, given=()):
     it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None, val_loss=None, fitted_iters=None, mems={})
     if cfg.init_from == "resume":
         it, progress = restore(ckpt, model, optimizer, scaler, rank, world, device)
+        log(f"resuming {ckpt_path} from iteration {it}" + " (--init_from=auto)" * auto)
         if it >= cfg.max_iters and not cfg.eval_only:
             log(f"{ckpt_path} is at iteration {it} of max_iters={cfg.max_iters}: nothing to do. To train on, raise "
                 f"--max_iters (and --lr_decay_iters, where the learning rate has decayed)")
@@ -401,10 +390,6 @@ def build_model(cfg, config, ckpt, device, rank):
     return model
 
 
-def kept(path, saved_at):
-    return "no checkpoint was written" if saved_at is None else f"{path} keeps iteration {saved_at}"
-
-
 def start_line(run, dtype):
     """Log what trains where; returns the tokens per iteration and a function from seconds per
     iteration to the MFU (None without a peak to measure it against). A GPU's peak comes from its spec sheet (or a large
@@ -433,7 +418,7 @@ def record_evaluation(run, it, losses, progress, saved_at, report):
     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
         f"({time.time() - START:.1f} s since start)")
     if not math.isfinite(losses["val"]):
-        log(f"the val loss is not finite: no checkpoint written ({kept(ckpt_path, saved_at)})")
+        log(f"the val loss is not finite: no checkpoint written ({holds(ckpt_path, saved_at)})")
     elif not cfg.eval_only:
         if losses["val"] < progress["best_val_loss"]:
             progress["best_val_loss"] = losses["val"]
@@ -476,7 +461,7 @@ def loop(run, it, progress, dtype):
             if writes and it != saved_at and save(run, ckpt_path, it, **progress):
                 saved_at = it
             name = signal.Signals(STOP[0]).name if STOP else "a signal to another rank"
-            log(f"stopped by {name} at iteration {it}: {kept(ckpt_path, saved_at)}; resume with --init_from=resume")
+            log(f"stopped by {name} at iteration {it}: {holds(ckpt_path, saved_at)}; resume with --init_from=resume")
             return 128 + (STOP[0] if STOP else signal.SIGTERM)
         if cfg.eval_only or it >= cfg.max_iters:
             break
@@ -500,7 +485,7 @@ def loop(run, it, progress, dtype):
         if (looking or it == cfg.max_iters) and (in_row := skips.read(it)) >= cfg.max_bad_steps:
             if MASTER:
                 print(f"train.py: stopping: the loss was not finite for {in_row} steps in a row; "
-                      f"{kept(ckpt_path, saved_at)}: lower learning_rate, raise warmup_iters or set grad_clip",
+                      f"{holds(ckpt_path, saved_at)}: lower learning_rate, raise warmup_iters or set grad_clip",
                       file=sys.stderr)
             return 1
         if looking and run.group is not None:  # context parallel: the loss of the whole batch, every shard's mean
@@ -509,8 +494,7 @@ def loop(run, it, progress, dtype):
             sync(device)
             dt = (time.time() - t0) / (it - t0_iter)  # fewer than log_interval after a resume or an eval
             t0, t0_iter, loss, util = time.time(), it, step_loss.item(), mfu(dt)
-            log(f"iter {it}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, {tokens_per_iter / dt:,.0f} tokens/s, "
-                f"{f'mfu {util:.1%}, ' if util else ''}{hms((cfg.max_iters - it) * dt)} left")
+            log(log_line(it, loss, lr, dt, util, tokens_per_iter, cfg.max_iters))
             if report:
                 report.add(it, loss=loss, lr=lr, ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt, mfu=util)
 

@@ -167,6 +167,32 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def test_keep_checkpoints_keeps_the_last_n_states_of_ckpt_pt_each_one_that_resumes(workdir, in_process, monkeypatch,
+                                                                                   capsys, tiny_args):
+    d, _ = workdir
+    args = ["--dataset=verse", *tiny_args, "--eval_interval=2", "--keep_checkpoints=2"]
+    kept = lambda out: sorted(p.name for p in (d / out).glob("ckpt-*"))  # noqa: E731
+    assert in_process(train.main, [*args, "--out_dir=out-keep", "--max_iters=7"], cwd=d) == 0  # saves 0, 2, 4, 6, 7
+    assert kept("out-keep") == ["ckpt-6.pt", "ckpt-7.pt"]
+    assert (d / "out-keep" / "ckpt-7.pt").read_bytes() == (d / "out-keep" / "ckpt.pt").read_bytes()
+    assert os.stat(d / "out-keep" / "ckpt-7.pt").st_nlink == 2  # a hard link: no bytes written twice
+    # a kept state is a checkpoint like any: the run from 6 again ends where the run did
+    os.makedirs(d / "out-keep-6")
+    shutil.copy(d / "out-keep" / "ckpt-6.pt", d / "out-keep-6" / "ckpt.pt")
+    assert in_process(train.main, [*args, "--out_dir=out-keep-6", "--max_iters=7", "--init_from=resume"], cwd=d) == 0
+    a, b = (torch.load(d / out / "ckpt.pt", weights_only=True)["model"] for out in ("out-keep", "out-keep-6"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a file system without hard links gets copies, written as a checkpoint is
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(checkpoint.os, "link", no_links)
+    assert in_process(train.main, [*args, "--out_dir=out-keep-copy", "--max_iters=5"], cwd=d) == 0
+    assert kept("out-keep-copy") == ["ckpt-4.pt", "ckpt-5.pt"] and not glob.glob(str(d / "out-keep-copy" / "*.tmp.*"))
+    assert (d / "out-keep-copy" / "ckpt-5.pt").read_bytes() == (d / "out-keep-copy" / "ckpt.pt").read_bytes()
+    assert os.stat(d / "out-keep-copy" / "ckpt-5.pt").st_nlink == 1
+    assert kept("out-keep-6") == ["ckpt-7.pt"]  # it saved 7 alone (6 was its start)
+
+
 @pytest.mark.slow
 def test_killing_the_process_mid_save_leaves_the_previous_checkpoint_loadable(workdir, run, in_process, capsys,
                                                                               losses, tiny_args):
@@ -189,20 +215,29 @@ def test_killing_the_process_mid_save_leaves_the_previous_checkpoint_loadable(wo
 
 @pytest.mark.slow
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_whole(trained, run, one_line_error, in_parallel,
-                                                                        tiny_args):
+                                                                        in_process, tiny_args):
     d = trained
     for out in ("out-full", "out-full-probe"):
         shutil.copytree(d / "out-ok", d / out)
+    assert in_process(train.main, ["--dataset=verse", "--out_dir=out-full-kept", *tiny_args, "--max_iters=4",
+                                   "--eval_interval=2", "--keep_checkpoints=2"], cwd=d) == 0  # ckpt-2.pt, ckpt-4.pt
+    saved = {p.name: p.read_bytes() for p in (d / "out-full-kept").glob("*.pt")}
     limit = os.path.getsize(d / "out-ok" / "ckpt.pt") // 2  # no file may grow past this: a save fails halfway
-    def resume(out, limit):
+    def resume(out, limit, *args):
         return run("train.py", "--dataset=verse", f"--out_dir={out}", "--init_from=resume", *tiny_args,
-                   "--max_iters=6", "--eval_interval=2", cwd=d, max_file_bytes=limit)
-    halfway, none, new = in_parallel(
+                   "--max_iters=6", "--eval_interval=2", *args, cwd=d, max_file_bytes=limit)
+    halfway, kept, none, new = in_parallel(
         lambda: resume("out-full", limit),
+        # a run that keeps one state, whose save fails: the two it kept stay (they go only after a new one is whole)
+        lambda: resume("out-full-kept", limit, "--keep_checkpoints=1"),
         lambda: resume("out-full-probe", 1),  # a disk with no room at all is found before training starts
         lambda: run("train.py", "--dataset=verse", "--out_dir=out-full-new", *tiny_args, cwd=d, max_file_bytes=1))
     # the operating system's reason (here the file size limit's), not torch.save's internal message
     one_line_error(halfway, "could not write out-full/", "(File too large); the previous checkpoint is intact")
+    one_line_error(kept, "could not write out-full-kept/", "(File too large); the previous checkpoint is intact")
+    assert sorted(saved) == ["best.pt", "ckpt-2.pt", "ckpt-4.pt", "ckpt.pt"]
+    assert {p.name: p.read_bytes() for p in (d / "out-full-kept").glob("*.pt")} == saved
+    assert not glob.glob(str(d / "out-full-kept" / "*.tmp.*"))
     one_line_error(none, "out_dir 'out-full-probe' is not writable (File too large): free some space, "
                          "or choose another --out_dir")
     one_line_error(new, "out_dir 'out-full-new' is not writable (File too large)")

@@ -140,6 +140,14 @@ def test_times_count_hours_past_a_day():  # the time left in a log line, the tim
                                                                                  "27:21:02"]
 
 
+def test_a_log_line_says_the_tokens_seen_of_the_runs_total_and_the_time_left():
+    line = report.log_line(2500, 3.25, 6e-4, 0.5, None, 491_520, 10_600)  # GPT-2 124M's batch, half a second a step
+    assert line == ("iter 2500: loss 3.2500, lr 6.00e-04, 500.0 ms/iter, 983,040 tokens/s, 1.2B/5.2B tokens, "
+                    "1:07:30 left")
+    assert [report.count(n) for n in (640, 1_000, 5_200_000, 1_234_567_890, 3e12)] == ["640", "1.0k", "5.2M", "1.2B",
+                                                                                     "3.0T"]
+
+
 def test_greedy_sample_is_the_models_argmax(tiny_model):
     """Each architecture's sample against a plain argmax computed here, without the KV cache."""
     meta = dict(tokenizer="char", vocab="".join(chr(97 + i) for i in range(26)) + " .,\n", vocab_size=30)

@@ -4,6 +4,7 @@ settings, data and memory are refused in one line; a non-finite loss keeps the l
 checkpoint; the learning rate schedule and the log."""
 
 import io
+import json
 import os
 import re
 import shutil
@@ -286,6 +287,33 @@ def test_a_resumed_run_may_change_attn_impl_and_dropout_and_says_which_settings_
     assert "linear_impl" not in saved["model_config"]
 
 
+def test_init_from_auto_starts_a_run_then_resumes_it_exactly_and_refuses_another_models_checkpoint(
+        workdir, in_process, refusal, files_under, capsys, losses, tiny_args):
+    """What a run that torchrun --max_restarts starts again relies on (tested so under torchrun below)."""
+    d, _ = workdir
+    args = ["--dataset=verse", *tiny_args, "--eval_interval=2"]
+    auto = [*args, "--out_dir=out-auto", "--init_from=auto"]
+    assert in_process(train.main, [*auto, "--max_iters=2"], cwd=d) == 0  # an empty out_dir: a new run
+    assert in_process(train.main, [*auto, "--max_iters=4"], cwd=d) == 0  # its checkpoint: resumed
+    log = capsys.readouterr().out
+    assert "resuming out-auto/ckpt.pt from iteration 2 (--init_from=auto)" in log and len(losses(log)) == 4
+    assert in_process(train.main, [*args, "--out_dir=out-auto-straight", "--max_iters=4"], cwd=d) == 0
+    a, b = (torch.load(d / out / "ckpt.pt", weights_only=True)["model"] for out in ("out-auto", "out-auto-straight"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    before = files_under(d / "out-auto")
+    # another model's run is refused, not resumed with its settings: one asked for on the command line, or
+    # a default that differs from the checkpoint's (which --init_from=resume would take from it, as ever)
+    refusal(train.main, [*auto, "--n_layer=3"], "--n_layer=3 does not match out-auto/ckpt.pt's n_layer=2", cwd=d)
+    refusal(train.main, [a for a in auto if a != "--n_embd=32"], "--init_from=auto: the default n_embd=768 does not "
+            "match out-auto/ckpt.pt's n_embd=32: set --n_embd=32 to continue that run", cwd=d)
+    os.makedirs(d / "out-auto-best")  # best.pt alone is no run to resume: refused as a new run over it
+    shutil.copy(d / "out-auto" / "best.pt", d / "out-auto-best")
+    refusal(train.main, [*args, "--out_dir=out-auto-best", "--init_from=auto"],
+            "out-auto-best/best.pt holds a run that a new one would overwrite", cwd=d)
+    assert {p: b for p, b in files_under(d / "out-auto").items() if p.name != ".lock"} == \
+        {p: b for p, b in before.items() if p.name != ".lock"}
+
+
 def test_a_run_resumes_in_another_precision(trained, in_process, capsys, tiny_args):
     d = trained
     shutil.copytree(d / "out-ok", d / "out-fp16")
@@ -311,6 +339,7 @@ def test_train_rejects_bad_settings_in_one_line(workdir, tmp_path, refusal, monk
         (("--device=CPU",), ["--device=CPU is not known: choose auto, cpu, cuda, cuda:N or mps"]),
         (("--batch_size=0",), ["batch_size=0 must be at least 1"]),
         (("--eval_interval=0",), ["eval_interval=0 must be at least 1"]),
+        (("--keep_checkpoints=-1",), ["keep_checkpoints=-1 must be at least 0"]),
         (("--gradient_accumulation_steps=-2",), ["gradient_accumulation_steps=-2 must be at least 1"]),
         (("--grad_clip=-1",), ["grad_clip=-1.0 must be at least 0"]),
         (("--beta1=2",), [r"beta1=2.0 must lie in [0, 1)"]),
@@ -506,6 +535,40 @@ def test_a_crashed_rank_makes_the_others_exit_instead_of_hanging(workdir, start,
     assert p.returncode != 0
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
+def test_torchrun_max_restarts_with_init_from_auto_survives_a_killed_rank_and_ends_as_a_run_never_killed(
+        workdir, run, start, wait_for, tiny_args):
+    """A night's run: one of the two ranks dies (SIGKILL) after a checkpoint, with iterations trained past
+    it; torchrun starts both again, they resume from ckpt.pt, and the run ends with the weights, the
+    kept checkpoints and the metrics of the same run never killed (both under torchrun: bit for bit)."""
+    d, _ = workdir
+    args = [os.path.join(HERE, "train.py"), "--dataset=verse", "--init_from=auto", "--max_iters=30",
+            "--eval_interval=5", "--gradient_accumulation_steps=2", "--keep_checkpoints=2", *tiny_args]
+    p = start(TORCHRUN, "--standalone", "--nproc_per_node=2", "--max_restarts=3", *args, "--out_dir=out-killed",
+              cwd=d, start_new_session=True)
+    wait_for(p.stdout, "iter 7:")  # ckpt.pt holds iteration 5, and the ranks train past it
+    ranks = {int(re.search(r"\0RANK=(\d+)\0", "\0" + open(f"/proc/{pid}/environ").read())[1]): pid
+             for pid in children(p.pid)}
+    os.kill(ranks[0], signal.SIGKILL)  # the rank that writes the checkpoints and metrics
+    log, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    resumed = re.findall(r"resuming out-killed/ckpt.pt from iteration (\d+) \(--init_from=auto\)", log)
+    assert len(resumed) == 1 and 5 <= int(resumed[0]) < 30, log  # started again once, from a checkpoint
+    assert "connectFullMesh" not in err  # no rank of the new start looked for one of the old (join_ranks)
+    code, _, err = run(TORCHRUN, "--standalone", "--nproc_per_node=2", *args, "--out_dir=out-never-killed", cwd=d)
+    assert code == 0, err
+    for name in ("ckpt.pt", "ckpt-25.pt", "ckpt-30.pt"):
+        a, b = (torch.load(d / out / name, weights_only=True)["model"] for out in ("out-killed", "out-never-killed"))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    assert sorted(p.name for p in (d / "out-killed").glob("ckpt-*")) == ["ckpt-25.pt", "ckpt-30.pt"]
+    # one history: the lines that the killed ranks wrote past their checkpoint are gone, none twice
+    history = [[(r["iter"], r.get("loss"), r.get("lr"), r.get("val_loss")) for r in
+                map(json.loads, (d / out / "metrics.jsonl").read_text().splitlines())]
+               for out in ("out-killed", "out-never-killed")]
+    assert history[0] == history[1] and [i for i, loss, _, _ in history[0] if loss is not None] == list(range(1, 31))
+
+
 # ----------------------------------------------------------------------------------------------
 # After training: what is sampled is what was trained; progress from the first seconds
 
@@ -551,6 +614,6 @@ def test_the_first_iteration_and_a_long_evaluation_show_at_once_and_a_cpu_gets_n
     notice = [i for i, line in enumerate(log) if re.fullmatch(r"step 0: evaluating 4 batches per rank, about \d+ s", line)]
     assert notice and log[notice[0] + 1].startswith("step 0: train loss")  # said before its result
     iters = [line for line in log if line.startswith("iter ")]
-    assert len(iters) == 1 and re.fullmatch(r"iter 1: loss \S+, lr \S+, \S+ ms/iter, \S+ tokens/s, \d+:\d\d:\d\d left",
-                                            iters[0])
+    assert len(iters) == 1 and re.fullmatch(r"iter 1: loss \S+, lr \S+, \S+ ms/iter, \S+ tokens/s, 64/192 tokens, "
+                                            r"\d+:\d\d:\d\d left", iters[0])  # 4 x 16 tokens an iteration, of 3
     assert not any("mfu" in line.lower() for line in log)
