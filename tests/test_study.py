@@ -224,6 +224,7 @@ def test_bad_input_is_refused_in_one_line_before_anything_trains(family, tiny_ar
                                                                  in_parallel, files_under):
     d, argv, _, _ = family
     tiny = train_args(tiny_args)
+    (d / "base.py").write_text('dataset = "verse"\n')  # as the ladder's (slow) fixture writes it
     before = files_under(d)
     for args, fragment in [
             (["family", "--configs=nope.py"], "config file 'nope.py' not found"),
