@@ -154,8 +154,8 @@ def test_bench_attention_reads_lists_with_commas():
 @pytest.mark.parametrize("args, message", [
     (["train", "--max_iter=3"], "did you mean --max_iters?"),
     (["attention", "--sqes=1"], "did you mean --seqs?"),
-    ([], "no benchmark named: choose one of train, sample, attention, stream, family, scaling"),
-    (["attentoin"], "unknown benchmark 'attentoin': choose one of train, sample, attention, stream, family, scaling"),
+    ([], "no benchmark named: choose one of train, sample, attention, stream, family, scaling, prepare"),
+    (["attentoin"], "unknown benchmark 'attentoin': choose one of train, sample, attention, stream, family, scaling, prepare"),
     pytest.param(["attention", "--seqs=512"], "attention needs a CUDA GPU", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="checks the message printed where there is no GPU")),
 ], ids=["misspelt-train-setting", "misspelt-attention-setting", "no-name", "unknown-name", "no-gpu"])
@@ -170,8 +170,8 @@ def test_bench_from_the_command_line_answers_help_and_refuses_in_one_line_with_e
     (code, text, _), (code2, out, err) = in_parallel(lambda: run("bench.py", "--help", cwd=tmp_path),
                                                      lambda: run("bench.py", "attentoin", cwd=tmp_path))
     assert code == 0 and "Settings (--key=value" in text
-    assert out == "" and one_line_error((code2, out, err), "choose one of train, sample, attention, stream, family, scaling")
-    assert err == "bench.py: error: unknown benchmark 'attentoin': choose one of train, sample, attention, stream, family, scaling " \
+    assert out == "" and one_line_error((code2, out, err), "choose one of train, sample, attention, stream, family, scaling, prepare")
+    assert err == "bench.py: error: unknown benchmark 'attentoin': choose one of train, sample, attention, stream, family, scaling, prepare " \
                   "(python bench.py --help lists their settings)\n", err
 
 
