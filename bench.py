@@ -38,11 +38,11 @@ from corpus import PrepareBenchConfig, bench_prepare
 from data import batch_rng, get_batch, load_data, new_model_config, special_tokens
 from device import peak_flops, pick_device, pick_dtype, precision, precision_name, run_script, timed
 from efficient import LinearState, PerformerState
-from generate import cache_size, decode, generate, piece_size, speculative_generate
+from generate import cache_size, decode, decode_layout, generate, piece_size, slots_used, speculative_generate
 from optim import make_optimizer, optimizer_step
 from train import TRAIN_RANGES, TrainConfig
 from model import KVCache, ModelConfig, Transformer, attn_impl, autocast_dtype
-from quantize import Int4Linear, Int8Linear, decode_layout, quantize_int4, quantize_int8
+from quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from sample import SampleConfig, load_draft
 from study import FamilyConfig, ScalingConfig, family, scaling
 
@@ -273,7 +273,7 @@ def speculative_speed(cfg, device, dtype, rounds=3):
     round from sample.py's default prompt; each at its median round."""
     weights, autocast = precision(dtype, device)  # as sample.py samples
     model, tok, _ = load_model(cfg.out_dir, device, weights)
-    draft = load_draft(cfg.draft_dir, model, tok, device)
+    model, draft = decode_layout(model), load_draft(cfg.draft_dir, model, tok, device)  # as sample.py lays them out
     if tok.unknown(SampleConfig.start):
         raise UsageError(f"the model in {cfg.out_dir} cannot encode sample.py's default prompt {SampleConfig.start!r}")
     idx = torch.tensor([tok.encode(SampleConfig.start, special=True)], device=device)
@@ -496,12 +496,14 @@ def stream_speed(model, L, steps, device, piece=512):
         piece = min(piece, piece_size(model, L))
     idx = torch.randint(0, model.config.vocab_size, (1, L), device=device)
     for s in range(0, L, piece):
-        logits = model(idx[:, s:s + piece], input_pos=torch.arange(s, min(L, s + piece), device=device))[0]
+        end = min(L, s + piece)
+        logits = model(idx[:, s:end], input_pos=torch.arange(s, end, device=device), slots_used=slots_used(model, end))[0]
     state = [logits[:, -1:].argmax(-1), torch.tensor([[L]], device=device)]  # the next token, its position
 
     def run():
-        for _ in range(steps):
-            state[:] = decode(model, *state).argmax(-1, keepdim=True), state[1] + 1
+        for i in range(steps):
+            step = decode(model, *state, None, slots_used(model, L + i + 1))
+            state[:] = step.argmax(-1, keepdim=True), state[1] + 1
     seconds = timed(run, device)[1]
     cache = [b for m in model.modules() if isinstance(m, (KVCache, LinearState, PerformerState)) for b in m.buffers()]
     nbytes = sum(b.numel() * b.element_size() for b in cache + [model.decoder.cache_pos] if b is not None)

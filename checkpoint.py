@@ -20,7 +20,7 @@ from distributed import load_optimizer_state
 from data import new_model_config
 from lora import merged_state
 from model import ModelConfig, Transformer
-from quantize import decode_layout, quantize_int4, quantize_int8
+from quantize import quantize_int4, quantize_int8
 from tokenizer import Tokenizer
 
 
@@ -264,7 +264,7 @@ def for_sampling(model, ckpt, device, dtype=torch.float32, quantize="", group_si
     if quantize == "int4":  # packed in the layout of device's kernel, from the fp32 weights
         quantize_int4(model, group_size)
     model = model.to(dtype=dtype).eval()  # (the quantized weights are integers, which stay)
-    return decode_layout(model) if device.type == "cpu" else model, Tokenizer(ckpt["meta"])
+    return model, Tokenizer(ckpt["meta"])
 
 
 def load_model(out_dir, device, dtype=torch.float32, quantize="", which="best", group_size=128):

@@ -33,7 +33,7 @@ from checkpoint import describe, for_sampling
 from hf import load_source
 from common import UsageError, check_ranges, fetch_url, parse_settings, read_text_file, usage, write_atomic
 from device import pick_device, pick_dtype, precision, run_script
-from tokenizer import END_OF_TEXT, hf_end_of_text, token_names
+from tokenizer import END_OF_TEXT, GPT2_EOT, hf_end_of_text, token_names
 
 MASK_FRAC = 0.15  # of an encoder's tokens masked for --text, as BERT's pretraining chooses
 
@@ -161,7 +161,7 @@ def end_of_text(ckpt, tok):
     if meta.get("eot") is not None:  # a run's dataset records it
         return meta["eot"]
     if meta["tokenizer"] == "gpt2":
-        return 50256
+        return GPT2_EOT
     if meta["tokenizer"] == "char":
         return meta["vocab"].index(END_OF_TEXT) if END_OF_TEXT in meta["vocab"] else None
     return hf_end_of_text(ckpt["path"], tok.enc) if os.path.isdir(ckpt["path"]) else None

@@ -1,8 +1,9 @@
 """
 Decoding, beside the model as in gpt-fast: a prompt goes into the caches that model.py keeps
 (prefill), then one token at a time (decode, compiled if asked), sampled without waiting for the
-device (generate, generate_tokens); and speculative decoding, where a small draft proposes tokens
-and the target keeps those it agrees with.
+device (generate, generate_tokens); speculative decoding, where a small draft proposes tokens
+and the target keeps those it agrees with; and decode_layout, the weights laid out for a CPU's
+matrix-vector products, which sample.py and bench.py apply.
 
     from generate import generate
     out = generate(model, idx, max_new_tokens=100, temperature=0.8, top_k=200)
@@ -11,12 +12,16 @@ and the target keeps those it agrees with.
 import math
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from model import ATTENTIONS, autocast_dtype, reach
+from quantize import plain_linear, replace_linears
 from sampling import draw, sample, sampling_probs
 
 COMPILED_CACHE_STEP = 256  # a compiled step's cache sizes come in steps of this, so other prompts reuse its graph
+SLOTS_IN_USE_ON = ("cpu",)  # devices whose passes read only the cache's slots in use: a GPU reads every slot, so
+# that each step has one shape, replayed as a CUDA graph; a CPU skips reading the empty ones
 
 
 def absolute_positions(config):
@@ -44,34 +49,44 @@ def piece_size(model, T, first=False):
     return max(1, slots - model.config.n_global - reach(model.config) + 1)
 
 
+def slots_used(model, fed):
+    """The argument slots_used of a pass once the cache holds `fed` tokens from position 0 on (at most
+    position fed - 1, as left padding counts later): the first fed slots, or all once the ring is full.
+    None (every slot) on a device not in SLOTS_IN_USE_ON. Counted here on the host: no pass waits."""
+    pos = model.decoder.cache_pos
+    return None if pos is None or pos.device.type not in SLOTS_IN_USE_ON else min(fed, pos.size(1))
+
+
 def prefill(model, idx, input_pos, mask=None, src_mask=None, prefix_len=None):
     """Logits (B, V) for the token after idx (B, T) at positions input_pos (B|1, T), idx going into
     caches that model.setup_kv_cache made. A prompt longer than the cache goes in by pieces: the
     first fills the ring, each next one overwrites only keys that none of its queries sees.
     Attention's memory is then O(size^2), not O(T^2). A recurrent state takes the prompt in one piece,
-    and so does a prefix LM's prefix (prefix_len (B,)), which its positions read both ways."""
+    and so does a prefix LM's prefix (prefix_len (B,)), which its positions read both ways. input_pos
+    counts from 0 (at most one a token: slots_used)."""
     s, n = 0, piece_size(model, idx.size(1), first=True)
     while s < idx.size(1):
         piece = slice(s, s + n)
         logits = model(idx[:, piece], mask=None if mask is None else mask[:, piece], src_mask=src_mask,
-                       input_pos=input_pos[..., piece], prefix_len=prefix_len)[0]
+                       input_pos=input_pos[..., piece], prefix_len=prefix_len,
+                       slots_used=slots_used(model, min(s + n, idx.size(1))))[0]
         s, n = s + n, piece_size(model, idx.size(1))
     return logits[:, -1]
 
 
-def decode(model, idx, input_pos, src_mask=None):
+def decode(model, idx, input_pos, src_mask=None, slots_used=None):
     """As prefill, in one piece: with T = 1 every shape is fixed, so torch.compile captures it once."""
-    return model(idx, src_mask=src_mask, input_pos=input_pos)[0][:, -1]
+    return model(idx, src_mask=src_mask, input_pos=input_pos, slots_used=slots_used)[0][:, -1]
 
 
 def compiled(device, **options):
-    """The decode step compiled (options: torch.compile's): one static graph per cache size, replayed
-    as a CUDA graph on a GPU, plain inductor code elsewhere. torch.compile keeps what it compiled with
-    decode's code, so a second call reuses it. On a CPU the graph reads the cache's last slot in use
-    (model.py's Stack) and attends over that many: capture_scalar_outputs keeps the read in the graph."""
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    step = torch.compile(decode, dynamic=False, mode=mode, **options)
-    return torch._dynamo.config.patch(capture_scalar_outputs=True)(step)
+    """The decode step compiled (options: torch.compile's). On a GPU: one static graph per cache size,
+    replayed as a CUDA graph. On a CPU, plain inductor code, where slots_used is a size: dynamic from
+    the first call, so one graph serves every count. torch.compile keeps what it compiled with decode's
+    code, so a second call reuses it."""
+    if device.type == "cuda":
+        return torch.compile(decode, dynamic=False, mode="reduce-overhead", **options)
+    return torch.compile(decode, dynamic=True, **options)
 
 
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
@@ -111,7 +126,8 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
     prompt = idx.size(1)  # a prefix LM's prefix: the prompt, read both ways
     size = cache_size(model, idx[:, crop].size(1), max_new_tokens, COMPILED_CACHE_STEP if compile else 1)
 
-    def start(idx, mask):  # the prompt (cropped) into fresh caches: the logits after it, its last position
+    def start(idx, mask):  # the prompt (cropped) into fresh caches: the logits after it, its last position,
+        # and the tokens in the cache
         tokens, valid = idx[:, crop], None if mask is None else mask[:, crop]
         model.setup_kv_cache(tokens.size(0), size, memory, dtype)
         pos = torch.arange(tokens.size(1), device=tokens.device)[None]
@@ -121,10 +137,10 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         if c.arch == "prefix-lm":  # the prompt's tokens in view: their positions are the first
             n = max(0, prompt - (idx.size(1) - tokens.size(1)))
             prefix = valid[:, :n].sum(1) if valid is not None else torch.full((tokens.size(0),), n, device=idx.device)
-        return prefill(model, tokens, pos, valid, src_mask, prefix), pos[:, -1:]
+        return prefill(model, tokens, pos, valid, src_mask, prefix), pos[:, -1:], tokens.size(1)
 
     try:
-        logits, pos = start(idx, mask)
+        logits, pos, fed = start(idx, mask)
         for i in range(max_new_tokens):
             idx_next = sample(logits[:, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
             yield idx_next
@@ -135,10 +151,10 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
             if recompute or restart and idx.size(1) > c.block_size:
                 # absolute positions must shift: recompute the last block_size tokens as
                 # nanoGPT does (no cache saving from here on)
-                logits, pos = start(idx, mask)
+                logits, pos, fed = start(idx, mask)
             else:
-                pos = pos + 1  # on the device, so the loop never waits for it
-                logits = step(model, idx_next, pos, src_mask)
+                pos, fed = pos + 1, fed + 1  # pos on the device, so the loop never waits for it
+                logits = step(model, idx_next, pos, src_mask, slots_used(model, fed))
     finally:
         model.clear_kv_cache()
 
@@ -180,7 +196,9 @@ def speculative_generate(target, draft, idx, max_new_tokens, k=4, temperature=1.
                              "decoding with it")
 
     def feed(model, tokens, start):  # tokens (1, n) at positions start.. -> probabilities (n, V)
-        logits = model(tokens, input_pos=torch.arange(start, start + tokens.size(1), device=tokens.device))[0]
+        end = start + tokens.size(1)
+        logits = model(tokens, input_pos=torch.arange(start, end, device=tokens.device),
+                       slots_used=slots_used(model, end))[0]
         return sampling_probs(logits[0, :, :vocab_limit], temperature, top_k, top_p)
 
     out, total = idx[0].tolist(), idx.size(1) + max_new_tokens
@@ -220,3 +238,67 @@ def speculative_generate(target, draft, idx, max_new_tokens, k=4, temperature=1.
     if out.size(1) < total:
         out = generate(target, out, total - out.size(1), temperature, top_k, top_p, vocab_limit=vocab_limit)
     return out, accepted, proposed
+
+
+# ----------------------------------------------------------------------------------------------
+# A CPU's layout of the weights for decoding, where each token is a matrix-vector product per layer
+
+def decode_layout(model):
+    """Lay each Linear layer out for decoding on a CPU, in place; values, shapes and names stay (sample.py
+    and bench.py call it; a model on another device comes back as it is).
+    Its weight W (out, in) is stored as the transpose of a contiguous (in, out) matrix, so F.linear
+    computes x @ Wᵀ as a plain product, which streams a matrix-vector product's weights faster (bench.py
+    sample times both layouts); and a plain fp32 nn.Linear of two SPLIT_BYTES or more becomes a
+    SplitLinear, in blocks of SPLIT_BYTES or more, one a thread at most. A tied embedding then reads its
+    rows strided: one row per token."""
+    if next(model.parameters()).device.type != "cpu":
+        return model
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.weight.data = m.weight.data.t().contiguous().t()
+    parts = lambda m: min(torch.get_num_threads(), m.weight.nbytes // SPLIT_BYTES)  # noqa: E731
+    fp32 = lambda m: plain_linear(m) and m.weight.dtype == torch.float32  # noqa: E731
+    return replace_linears(model, lambda m: SplitLinear(m, parts(m)) if fp32(m) and parts(m) > 1 else m)
+
+
+SPLIT_BYTES = 2 ** 21  # below about 2 MB a block, splitting costs more than it saves
+
+
+class SplitLinear(nn.Linear):
+    """A Linear layer whose product with one row of input runs on several cores. torch's fp32
+    matrix-vector product on a CPU runs on one core, which reads the weights at about half the rate
+    that two do (docs/performance.md). A batched product runs its batch on all of torch's threads:
+    so the (in, out) weight's columns are viewed, without a copy, as `parts` blocks (parts, in,
+    out / parts), and the row multiplies each block at once. Several rows (a prompt) take torch's
+    own multi-threaded product, as do other dtypes (torch's bf16 bmm would copy the blocks at every
+    call), autocast and autograd."""
+
+    def __init__(self, linear, parts):
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")  # no weight of its own
+        self.weight, self.bias, self.parts = linear.weight, linear.bias, parts  # the same tensors: ties hold
+
+    def forward(self, x):
+        if (x.numel() != x.size(-1) or self.weight.dtype != torch.float32 or torch.is_grad_enabled()
+                or torch.is_autocast_enabled(x.device.type)):
+            return F.linear(x, self.weight, self.bias)
+        mv = split_mv if torch.compiler.is_compiling() else split_product  # see split_mv
+        y = mv(x.reshape(1, -1), self.weight.t(), self.parts)
+        return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
+
+
+def split_product(x: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
+    """x (1, in) @ w (in, out), contiguous, as one batched product of `parts` column blocks."""
+    q = w.size(1) // parts  # a block's columns; the last out % parts take a plain product
+    blocks = w[:, :parts * q].reshape(w.size(0), parts, q).transpose(0, 1)  # (parts, in, q): a view
+    y = torch.bmm(x.reshape(1, 1, -1).expand(parts, 1, -1), blocks).view(1, parts * q)
+    return y if parts * q == w.size(1) else torch.cat([y, x @ w[:, parts * q:]], dim=1)
+
+
+# The same as an operator of its own, for torch.compile, which calls it as it is (inductor would rewrite a
+# bmm of one row as a slower sum). Eager calls the function: an operator's first call costs most of a second.
+split_mv = torch.library.custom_op("nanoformer::split_mv", split_product, mutates_args=())
+
+
+@split_mv.register_fake
+def _(x, w, parts):
+    return x.new_empty(1, w.size(1))

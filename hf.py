@@ -33,7 +33,7 @@ from common import UsageError, check_ranges, parse_settings, usage
 from device import run_script
 from data import special_tokens
 from lora import save_peft
-from tokenizer import Tokenizer, hf_files, token_names, tokenizer_meta
+from tokenizer import GPT2_EOT, Tokenizer, hf_files, token_names, tokenizer_meta
 from model import ATTENTIONS, ModelConfig, Transformer
 from quantize import Int4Linear, Int8Linear
 
@@ -530,7 +530,7 @@ def in_use(model, ckpt):
     extra = dict(decoder_start_token_id=ckpt["tokens"]["start"]) if c.arch == "encoder-decoder" else {}
     if meta["tokenizer"] == "hf":
         return model, {}, extra
-    eot = meta.get("eot", 50256 if meta["tokenizer"] == "gpt2" else None)
+    eot = meta.get("eot", GPT2_EOT if meta["tokenizer"] == "gpt2" else None)
     extra |= dict(bos_token_id=eot, eos_token_id=eot)
     specials = token_names(c.arch, ckpt["tokens"])
     n = max([ckpt["meta"]["vocab_size"] - 1, *specials]) + 1

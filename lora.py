@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from quantize import plain_linear
+
 
 class LoRALinear(nn.Linear):
     """A Linear layer with a LoRA update: y = x Wᵀ + b + (alpha / r) dropout(x) Aᵀ Bᵀ, W and b frozen."""
@@ -42,7 +44,7 @@ def add_lora(model, rank, alpha, dropout=0.0, targets=("c_attn",)):
     """Adapt every Linear layer of model whose name ends in one of targets (GPT-2's c_attn: the
     attention's q, k and v, peft's default for GPT-2) with a LoRA update of this rank, and freeze
     every other parameter. Returns the adapted layers' names."""
-    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    linears = [(name, m) for name, m in model.named_modules() if plain_linear(m)]
     named = [(name, m) for name, m in linears if name.rsplit(".", 1)[-1] in targets]
     if not named:
         have = sorted({name.rsplit(".", 1)[-1] for name, _ in linears})
@@ -53,6 +55,18 @@ def add_lora(model, rank, alpha, dropout=0.0, targets=("c_attn",)):
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, LoRALinear(m, rank, alpha, dropout))
     return [name for name, _ in named]
+
+
+@torch.no_grad()
+def merge_lora(model):
+    """Fold each LoRALinear's update into its weight, in place: W + (alpha / r) B A in a plain Linear,
+    which quantizing (quantize.py) and decode_layout may then replace. Returns the model."""
+    for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]:
+        linear = nn.Linear(m.in_features, m.out_features, bias=False, device="meta")
+        linear.weight, linear.bias = nn.Parameter(m.weight + m.delta().to(m.weight.dtype)), m.bias
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, linear)
+    return model
 
 
 @torch.no_grad()

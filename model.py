@@ -381,7 +381,6 @@ class KVCache(nn.Module):
     ring: the token at position p (of a batch's longest row) goes to slot p % size, overwriting the
     oldest. The buffers keep their shape, so torch.compile replays one graph, and a sliding-window
     cache never grows past its size. Stack.cache_pos says which position each slot holds."""
-    used_slots_on = ("cpu",)  # devices whose steps attend over the slots in use only (Stack.forward)
 
     def __init__(self, batch_size, n_kv_head, size, head_size, dtype, device):
         super().__init__()
@@ -595,12 +594,13 @@ class Stack(nn.Module):
         self.cache_pos = None  # (B, size) while generating: the position each cache slot holds, -1: none
 
     def forward(self, x, pos, valid=None, memory=None, memory_valid=None, weights=None, mems=None, group=None,
-                prefix=None):
+                prefix=None, slots_used=None):
         # x (B, T, C): token embeddings at positions pos (B|1, T); valid (B, T): False for padding;
         # weights: a dict that each attention's weights go to, by name (see Transformer.forward);
         # mems: Transformer-XL's memory, one (B, M, C) per layer ([] at the start of a stream), or None;
         # group: context parallel, x is this rank's shard of sequences split over the group's ranks;
-        # prefix (B,): a prefix LM's, the positions below it see each other both ways
+        # prefix (B,): a prefix LM's, the positions below it see each other both ways; slots_used (an int):
+        # the cache's first slots that hold keys, the only ones read (None: every slot)
         c = self.config
         if c.pos == "learned":
             x = x + self.wpe(pos)
@@ -620,12 +620,7 @@ class Stack(nn.Module):
             p, g = pos.amax(0), c.n_global  # global tokens keep the first slots: attention sinks
             slots = own = torch.where(p < g, p, g + (p - g) % (self.cache_pos.size(1) - g))
             self.cache_pos.index_copy_(1, slots, keys.expand(x.size(0), T))
-            keys = self.cache_pos
-            if x.device.type in KVCache.used_slots_on:  # one read a pass: a CPU waits for nothing, a GPU would
-                last = (torch.arange(keys.size(1), device=x.device) * (keys >= 0).any(0)).max().item()
-                torch._check(last >= 0)  # bounds for torch.compile, whose graph takes the read in as the
-                torch._check(last < keys.size(1))  # size of a slice (generate.compiled)
-                keys = keys[:, :last + 1]
+            keys = self.cache_pos[:, :slots_used]
         window = c.window if slots is None else reach(c)
         name = "decoder" if self.causal else "encoder"
         record = (lambda what: weights.setdefault(f"{name} {what}", [])) if weights is not None else lambda what: None
@@ -738,11 +733,12 @@ class Transformer(nn.Module):
             nn.init.zeros_(self.lm_head.weight)
 
     def forward(self, idx, targets=None, *, mask=None, src=None, src_mask=None, input_pos=None, weights=None,
-                mems=None, return_mems=False, group=None, prefix_len=None):
+                mems=None, return_mems=False, group=None, prefix_len=None, slots_used=None):
         """idx (B, T) token ids -> logits (B, T, vocab_size), and the loss against targets (B, T),
         where -100 marks positions without a loss. mask (B, T) is False at padding in idx. An
         encoder-decoder reads src (B, S) (padding: src_mask) and predicts idx. input_pos (T,) or
-        (B, T) gives the positions of idx; generate.py passes it while the caches are set up.
+        (B, T) gives the positions of idx; generate.py passes it while the caches are set up, and
+        slots_used, the cache's first slots that hold keys, which the queries then read alone (None: all).
         weights: a dict that receives every attention's weights, computed on the math path:
         {"decoder self-attention": [(B, nh, T, T) per layer], ...} (sample.py's attention page).
         With mem_len (Transformer-XL), return_mems=True also returns the memory for the next segment,
@@ -769,7 +765,7 @@ class Transformer(nn.Module):
                 raise ValueError("an encoder-decoder needs src: model(idx, targets, src=src)")
             memory = None if src is None else self.encode(src, src_mask, weights)
             mems = (mems or []) if c.mem_len and (return_mems or mems) else None  # [] at a stream's start
-            x = self.decoder(self.wte(idx), pos, mask, memory, src_mask, weights, mems, group, prefix_len)
+            x = self.decoder(self.wte(idx), pos, mask, memory, src_mask, weights, mems, group, prefix_len, slots_used)
             x, mems = x if mems is not None else (x, None)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap) if c.logit_softcap else logits

@@ -45,7 +45,7 @@ import numpy as np
 
 from common import UsageError, check_ranges, parse_settings, sha256, usage, write_atomic
 from corpus import SHAKESPEARE, WEB, is_documents, read_documents, shakespeare_text, web_shards
-from tokenizer import END_OF_TEXT, gpt2_encoding, hf_end_of_text, hf_tokenizer, tokenizer_meta
+from tokenizer import END_OF_TEXT, GPT2_EOT, gpt2_encoding, hf_end_of_text, hf_tokenizer, tokenizer_meta
 
 CHUNK = 1 << 20  # bytes of text per unit of work
 VAL_FRACTION = 0.1
@@ -254,7 +254,7 @@ def setup_tokenizer(tokenizer, paths, total, column="text"):
     elif meta["tokenizer"] == "gpt2":
         gpt2_encoding()  # fetch the BPE files once, before the workers need them
         meta.update(vocab_size=50257)
-        eot, encode = 50256, lambda texts, pool: pool.map(_encode_gpt2, texts)
+        eot, encode = GPT2_EOT, lambda texts, pool: pool.map(_encode_gpt2, texts)
     else:  # a Hugging Face tokenizer.json, which runs its own threads
         enc = hf_tokenizer(meta["tokenizer_json"])
         meta.update(vocab_size=enc.get_vocab_size())

@@ -1,6 +1,6 @@
 """Weights stored for decoding, beside the model (as gpt-fast keeps quantize.py): quantize_int8(model)
-and quantize_int4(model) swap the Linear layers for Int8Linear or Int4Linear, in place, after the
-weights are loaded; decode_layout(model) lays the fp weights out for a CPU's matrix-vector products.
+and quantize_int4(model) swap the plain Linear layers for Int8Linear or Int4Linear, in place, after the
+weights are loaded.
 
 Decoding one token at a time is bound by reading the weights, so smaller weights decode faster where
 a kernel multiplies them without first writing them out in floating point. Both layers hand torch's
@@ -99,19 +99,35 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(dtype)
 
 
+def plain_linear(m):
+    """The one rule for a Linear layer that may be swapped for another (quantized, laid out, adapted):
+    nn.Linear itself. A subclass (lora.LoRALinear, generate.SplitLinear) computes more than x Wᵀ + b."""
+    return type(m) is nn.Linear
+
+
 def replace_linears(model, make):
-    """Replace each nn.Linear in model, in place, by make(linear); returns the model."""
+    """Replace each plain Linear in model, in place, by make(linear); returns the model."""
     for name, child in model.named_children():
-        if isinstance(child, nn.Linear):
+        if plain_linear(child):
             setattr(model, name, make(child))
         else:
             replace_linears(child, make)
     return model
 
 
+def refuse_other_linears(model):
+    """Quantizing copies a layer's weight and bias only: a Linear of another kind (LoRA's adapters) is
+    refused in one line, where its update would be dropped without a word."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and not plain_linear(m):
+            raise ValueError(f"{name} is a {type(m).__name__}, whose update quantizing would drop: merge it first "
+                             "(lora.merge_lora(model))")
+
+
 def quantize_int8(model):
     """Replace every nn.Linear in model by an Int8Linear (in place); returns the model. A tied
     lm_head gets its own int8 copy; the embedding keeps its weights."""
+    refuse_other_linears(model)
     return replace_linears(model, Int8Linear)
 
 
@@ -124,62 +140,5 @@ def quantize_int4(model, group_size=128):
         raise ValueError(f"group_size={group_size}: choose among {list(INT4_GROUP_SIZES)}")
     if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
         raise RuntimeError(f"int4 weights need torch >= 2.6 (its int4 kernels' layout); this is {torch.__version__}")
+    refuse_other_linears(model)
     return replace_linears(model, lambda m: Int4Linear(m, group_size) if m.in_features % group_size == 0 else m)
-
-
-def decode_layout(model):
-    """Lay each Linear layer out for decoding on a CPU, in place; values, shapes and names stay.
-    Its weight W (out, in) is stored as the transpose of a contiguous (in, out) matrix, so F.linear
-    computes x @ Wᵀ as a plain product, which streams a matrix-vector product's weights faster (bench.py
-    sample times both layouts); and a plain fp32 nn.Linear of two SPLIT_BYTES or more becomes a
-    SplitLinear, in blocks of SPLIT_BYTES or more, one a thread at most. A tied embedding then reads its
-    rows strided: one row per token."""
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            m.weight.data = m.weight.data.t().contiguous().t()
-    parts = lambda m: min(torch.get_num_threads(), m.weight.nbytes // SPLIT_BYTES)  # noqa: E731
-    fp32 = lambda m: type(m) is nn.Linear and m.weight.dtype == torch.float32  # noqa: E731
-    return replace_linears(model, lambda m: SplitLinear(m, parts(m)) if fp32(m) and parts(m) > 1 else m)
-
-
-SPLIT_BYTES = 2 ** 21  # below about 2 MB a block, splitting costs more than it saves
-
-
-class SplitLinear(nn.Linear):
-    """A Linear layer whose product with one row of input runs on several cores. torch's fp32
-    matrix-vector product on a CPU runs on one core, which reads the weights at about half the rate
-    that two do (docs/performance.md). A batched product runs its batch on all of torch's threads:
-    so the (in, out) weight's columns are viewed, without a copy, as `parts` blocks (parts, in,
-    out / parts), and the row multiplies each block at once. Several rows (a prompt) take torch's
-    own multi-threaded product, as do other dtypes (torch's bf16 bmm would copy the blocks at every
-    call), autocast and autograd."""
-
-    def __init__(self, linear, parts):
-        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")  # no weight of its own
-        self.weight, self.bias, self.parts = linear.weight, linear.bias, parts  # the same tensors: ties hold
-
-    def forward(self, x):
-        if (x.numel() != x.size(-1) or self.weight.dtype != torch.float32 or torch.is_grad_enabled()
-                or torch.is_autocast_enabled(x.device.type)):
-            return F.linear(x, self.weight, self.bias)
-        mv = split_mv if torch.compiler.is_compiling() else split_product  # see split_mv
-        y = mv(x.reshape(1, -1), self.weight.t(), self.parts)
-        return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
-
-
-def split_product(x: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
-    """x (1, in) @ w (in, out), contiguous, as one batched product of `parts` column blocks."""
-    q = w.size(1) // parts  # a block's columns; the last out % parts take a plain product
-    blocks = w[:, :parts * q].reshape(w.size(0), parts, q).transpose(0, 1)  # (parts, in, q): a view
-    y = torch.bmm(x.reshape(1, 1, -1).expand(parts, 1, -1), blocks).view(1, parts * q)
-    return y if parts * q == w.size(1) else torch.cat([y, x @ w[:, parts * q:]], dim=1)
-
-
-# The same as an operator of its own, for torch.compile, which calls it as it is (inductor would rewrite a
-# bmm of one row as a slower sum). Eager calls the function: an operator's first call costs most of a second.
-split_mv = torch.library.custom_op("nanoformer::split_mv", split_product, mutates_args=())
-
-
-@split_mv.register_fake
-def _(x, w, parts):
-    return x.new_empty(1, w.size(1))

@@ -31,7 +31,7 @@ from checkpoint import describe, for_sampling, load_model
 from hf import load_source
 from common import UsageError, check_ranges, parse_settings, read_text_file, usage
 from device import pick_device, pick_dtype, precision, precision_name, run_script, timed
-from generate import absolute_positions, generate, generate_tokens, speculative_generate
+from generate import absolute_positions, decode_layout, generate, generate_tokens, speculative_generate
 from model import ATTENTIONS
 from pages import write_attention
 from quantize import INT4_GROUP_SIZES, Int4Linear, Int8Linear
@@ -139,6 +139,7 @@ def main(argv):
     if cfg.init_from == "resume":
         print(f"sample.py: {describe(ckpt)}", file=sys.stderr)
     model, tok = for_sampling(model, ckpt, device, weights, cfg.quantize, cfg.group_size)
+    model = decode_layout(model)  # on a CPU, the weights laid out for one token at a time (generate.py)
     prompt = read_prompt(cfg.start)
     if unknown := tok.unknown(prompt.replace(MASK, "")):
         raise UsageError(f"the prompt has characters the model's vocabulary lacks: {''.join(unknown)!r}; "
@@ -244,7 +245,7 @@ def load_draft(draft_dir, model, tok, device, quantize="", which="best", group_s
         what = f"an {draft.config.arch}" if draft.config.arch != "decoder" else "a decoder of another vocabulary"
         raise UsageError(f"the model in {draft_dir} is {what}: give --draft_dir a small decoder trained on the "
                          "same dataset as the target")
-    return draft
+    return decode_layout(draft)
 
 
 def speculate(model, tok, prompt, cfg, device, draft):

@@ -51,10 +51,11 @@ def gpt2_encoding():
     files = gpt2_bpe_files()
     ranks = data_gym_to_mergeable_bpe_ranks(files["vocab.bpe"], files["encoder.json"])
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+                             special_tokens={END_OF_TEXT: GPT2_EOT}, explicit_n_vocab=GPT2_EOT + 1)
 
 
 END_OF_TEXT = "<|endoftext|>"  # GPT-2's, and a character-level dataset's, between documents
+GPT2_EOT = 50256  # GPT-2's id of END_OF_TEXT, its last token
 
 
 def hf_end_of_text(path, enc):
@@ -142,7 +143,7 @@ def hf_files(meta, specials, block_size):
             merges = [line for line in f.read().split("\n")[1:] if line]  # after the "#version" line
         model = dict(vocab=vocab, merges=merges)
         eot = END_OF_TEXT
-        added.insert(0, added_token(50256, eot, normalized=True))
+        added.insert(0, added_token(GPT2_EOT, eot, normalized=True))
         around = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=True)
         decoder = around
         config = dict(tokenizer_class="GPT2Tokenizer", bos_token=eot, eos_token=eot, unk_token=eot)

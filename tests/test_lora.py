@@ -1,6 +1,7 @@
 """LoRA (lora.py): the update starts at zero, only the adapters train, the base weights stay as they
 were, a run resumes exactly, and a LoRA run samples (merged) what its adapted model computes."""
 
+import copy
 import json
 
 import pytest
@@ -9,7 +10,9 @@ import torch
 import checkpoint
 import hf
 import train
-from lora import LoRALinear, add_lora, merged_state
+from generate import decode_layout
+from lora import LoRALinear, add_lora, merge_lora, merged_state
+from quantize import quantize_int4, quantize_int8
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder", "encoder-decoder", "prefix-lm"])
@@ -37,6 +40,33 @@ def test_merging_adds_the_update_into_the_weight(tiny_model):
     plain.load_state_dict(merged_state(model.state_dict(), scaling=4 / 2))
     idx = torch.randint(0, 61, (2, 10))
     torch.testing.assert_close(plain(idx)[0], model(idx)[0], rtol=1e-5, atol=1e-5)  # fp32, one product reordered
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4])
+def test_quantizing_refuses_live_adapters_and_keeps_them_merged(quantize, tiny_model):
+    """LoRALinear is an nn.Linear, but not a plain one (quantize.plain_linear): quantizing it would keep
+    its weight and drop its update. So quantizing refuses it in one line, and after merge_lora the
+    quantized model computes the adapted model's logits, not the base's."""
+    base = tiny_model(pos="rope", n_embd=128, n_head=4)
+    model = copy.deepcopy(base)
+    add_lora(model, rank=2, alpha=4, targets=("c_attn", "c_fc", "c_proj"))
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            torch.nn.init.normal_(m.lora_B, std=0.5)  # a trained update, large beside the rounding
+    with pytest.raises(ValueError, match=r"^decoder\.h\.0\.attn\.c_attn is a LoRALinear, whose update quantizing "
+                                         r"would drop: merge it first \(lora\.merge_lora\(model\)\)$"):
+        quantize(copy.deepcopy(model))
+    idx = torch.randint(0, 61, (2, 10))
+    with torch.no_grad():
+        adapted = model(idx)[0]
+        merged = merge_lora(copy.deepcopy(model))
+        assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+        torch.testing.assert_close(merged(idx)[0], adapted, rtol=1e-5, atol=1e-5)  # fp32, one product reordered
+        laid_out = decode_layout(copy.deepcopy(merged))  # its layers plain again: laid out too
+        torch.testing.assert_close(laid_out(idx[:1, :1])[0], adapted[:1, :1], rtol=1e-5, atol=1e-5)
+        quantized, quantized_base = quantize(merged)(idx)[0], quantize(base)(idx)[0]
+    # the quantized model is the adapted one within its rounding: nearer to it than the base, quantized alike
+    assert (quantized - adapted).abs().mean() < 0.5 * (quantized_base - adapted).abs().mean()
 
 
 def test_a_lora_run_trains_only_its_adapters_resumes_exactly_and_samples_merged(workdir, in_process, tiny_args,

@@ -17,10 +17,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import quantize as q
+import generate as generate_module
 from generate import generate
 from lora import LoRALinear
-from quantize import Int4Linear, Int8Linear, SplitLinear, decode_layout, int4_groups, quantize_int4, quantize_int8
+from generate import SplitLinear, decode_layout
+from quantize import Int4Linear, Int8Linear, int4_groups, quantize_int4, quantize_int8
 
 V = 61  # tiny_model's vocabulary
 BF16 = 2.0**-8  # the relative rounding of a bf16 (8 significant bits), to nearest
@@ -217,7 +218,7 @@ def test_a_split_linear_computes_the_linear_product_for_one_row_and_many(parts, 
 
 def test_a_split_linear_splits_only_fp32_rows_without_autograd_or_autocast(monkeypatch):
     calls = []
-    monkeypatch.setattr(q, "split_product", lambda *a: calls.append(1) or torch.ops.nanoformer.split_mv(*a))
+    monkeypatch.setattr(generate_module, "split_product", lambda *a: calls.append(1) or torch.ops.nanoformer.split_mv(*a))
     linear = nn.Linear(32, 64)
     split, row = SplitLinear(linear, 2), torch.randn(1, 32)
     with torch.no_grad():
@@ -229,7 +230,7 @@ def test_a_split_linear_splits_only_fp32_rows_without_autograd_or_autocast(monke
     split(row).sum().backward()  # autograd: the plain product, which has a gradient
     assert len(calls) == 1 and linear.weight.grad is not None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(q, "SPLIT_BYTES", 1024)
+    monkeypatch.setattr(generate_module, "SPLIT_BYTES", 1024)
     bf16 = decode_layout(nn.Sequential(nn.Linear(32, 64)).to(torch.bfloat16))  # torch's bf16 bmm copies its blocks
     assert type(bf16[0]) is nn.Linear
     adapted = decode_layout(nn.Sequential(LoRALinear(nn.Linear(32, 64), rank=4, alpha=8)))
@@ -240,7 +241,7 @@ def test_a_split_linear_splits_only_fp32_rows_without_autograd_or_autocast(monke
 def test_decode_layout_splits_the_large_layers_and_keeps_the_logits_and_the_tie(tiny_model, monkeypatch):
     model = tiny_model(pos="rope", n_kv_head=2)
     want = model(prompt(5))[0]
-    monkeypatch.setattr(q, "SPLIT_BYTES", 3072)  # the attention's 32 x 32 c_proj (4 kB) is less than two blocks
+    monkeypatch.setattr(generate_module, "SPLIT_BYTES", 3072)  # the attention's 32 x 32 c_proj (4 kB) is less than two blocks
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # at most a block a thread
     model = decode_layout(model)
     split = {n: m.parts for n, m in model.named_modules() if isinstance(m, SplitLinear)}
@@ -257,7 +258,7 @@ def test_decode_layout_splits_the_large_layers_and_keeps_the_logits_and_the_tie(
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
 def test_split_layers_decode_the_same_through_the_compiled_step(tiny_model, monkeypatch):
-    monkeypatch.setattr(q, "SPLIT_BYTES", 3072)  # as above: most layers split in two
+    monkeypatch.setattr(generate_module, "SPLIT_BYTES", 3072)  # as above: most layers split in two
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     model, idx = decode_layout(tiny_model(pos="rope")), prompt(4)
     assert sum(isinstance(m, SplitLinear) for m in model.modules()) == 7  # split_mv is an operator inductor calls

@@ -1,5 +1,5 @@
 """Decoding on a CPU that attends over the KV cache's slots up to the last one in use (as model.py does
-there) against over every slot (as on a GPU; KVCache.used_slots_on emptied): the GPT-2-124M-shaped model of
+there) against over every slot (as on a GPU; generate.SLOTS_IN_USE_ON emptied): the GPT-2-124M-shaped model of
 `bench.py sample` (random weights, batch 1, greedy, NEW tokens after 16) in fp32 (as sample.py lays it
 out), int8 and int4 (groups of 128), eager and, with `compile`, through the compiled step; tokens/s at the
 best of 3 rounds taken in turn, and whether both give the same tokens.
@@ -12,9 +12,10 @@ import time
 
 import torch
 
-from generate import generate
-from model import KVCache, ModelConfig, Transformer
-from quantize import decode_layout, quantize_int4, quantize_int8
+import generate as generate_module
+from generate import decode_layout, generate
+from model import ModelConfig, Transformer
+from quantize import quantize_int4, quantize_int8
 
 NEW, COMPILE = int(sys.argv[1]), "compile" in sys.argv
 torch.set_num_threads(int(sys.argv[2]))
@@ -30,7 +31,7 @@ with torch.no_grad():
     for rnd in range(4):  # the first round warms up (and compiles)
         for name, model in models.items():
             for read, devices in reads.items():
-                KVCache.used_slots_on = devices
+                generate_module.SLOTS_IN_USE_ON = devices
                 t = time.perf_counter()
                 outs[name, read] = generate(model, idx, NEW, temperature=0, compile=COMPILE)
                 times.setdefault((name, read), []).append(time.perf_counter() - t if rnd else float("inf"))

@@ -16,7 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import generate as G
 from model import ModelConfig, Transformer
-from quantize import decode_layout, quantize_int4, quantize_int8
+from generate import decode_layout
+from quantize import quantize_int4, quantize_int8
 
 NEW = int(sys.argv[1])
 torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else torch.get_num_threads())

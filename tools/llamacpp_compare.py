@@ -20,7 +20,7 @@ import llama_cpp
 from llama_cpp import Llama
 import hf
 from checkpoint import for_sampling
-from generate import generate
+from generate import decode_layout, generate
 
 torch.set_num_threads(2)
 torch.set_flush_denormal(True)
@@ -28,6 +28,7 @@ torch.set_flush_denormal(True)
 def ours_greedy(out_dir, prompt, n):
     model, ckpt = hf.load_source("resume", out_dir)
     model, tok = for_sampling(model, ckpt, torch.device("cpu"))
+    model = decode_layout(model)  # as sample.py lays it out
     ids = tok.encode(prompt)
     out = generate(model, torch.tensor([ids]), n, temperature=0)[0].tolist()
     return ids, out[len(ids):]
@@ -68,7 +69,7 @@ if "speed" in sys.argv:
                     break
         runs[f"llama.cpp {t}"] = run
     model = hf.from_pretrained(f"{DIR}/gpt2-124m")
-    model, _ = for_sampling(model, dict(meta=dict(tokenizer="char", vocab=["a"])), torch.device("cpu"))
+    model = decode_layout(for_sampling(model, dict(meta=dict(tokenizer="char", vocab=["a"])), torch.device("cpu"))[0])
     idx = torch.arange(100, 116)[None]
     runs["nanoformer fp32"] = lambda: generate(model, idx, 256, temperature=0)
     from quantize import quantize_int4, quantize_int8

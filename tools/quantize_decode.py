@@ -15,7 +15,8 @@ import torch
 from generate import generate
 from model import ModelConfig, Transformer, autocast_dtype
 import quantize
-from quantize import Int8Linear, decode_layout, quantize_int4, quantize_int8
+from generate import decode_layout
+from quantize import Int8Linear, quantize_int4, quantize_int8
 
 ROUNDS, NEW = int(sys.argv[1]), int(sys.argv[2])
 if len(sys.argv) > 3:

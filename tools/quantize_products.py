@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quantize import SPLIT_BYTES, Int4Linear, Int8Linear, SplitLinear
+from generate import SPLIT_BYTES, SplitLinear
+from quantize import Int4Linear, Int8Linear
 
 torch.manual_seed(0)
 warnings.filterwarnings("ignore", message=".*quantize_per")
