@@ -10,11 +10,13 @@ matrix-vector products, which sample.py and bench.py apply.
 """
 
 import math
+import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common import CACHE
 from model import ATTENTIONS, autocast_dtype, reach
 from quantize import plain_linear, replace_linears
 from sampling import draw, sample, sampling_probs
@@ -83,7 +85,9 @@ def compiled(device, **options):
     """The decode step compiled (options: torch.compile's). On a GPU: one static graph per cache size,
     replayed as a CUDA graph. On a CPU, plain inductor code, where slots_used is a size: dynamic from
     the first call, so one graph serves every count. torch.compile keeps what it compiled with decode's
-    code, so a second call reuses it."""
+    code, so a second call reuses it; inductor keeps its code on disk under the cache directory
+    (common.CACHE, unless TORCHINDUCTOR_CACHE_DIR names another), where a later process finds it."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(CACHE, "inductor"))
     if device.type == "cuda":
         return torch.compile(decode, dynamic=False, mode="reduce-overhead", **options)
     return torch.compile(decode, dynamic=True, **options)

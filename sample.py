@@ -14,6 +14,8 @@ A decoder continues the prompt. An encoder (masked LM) fills each [MASK] with on
 encoder-decoder fills each [MASK] with a span of any length (span corruption), or writes it all again (BART).
 """
 
+import contextlib
+import io
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -100,8 +102,7 @@ def refusals(cfg, model, draft):
     if draft is not None and model.config.arch == "prefix-lm":  # speculative_generate's prefill is causal
         raise UsageError("a prefix LM reads its prompt both ways, which drafting cannot: leave out --draft_dir")
     if cfg.attention_page and not ATTENTIONS[model.config.attention].weights:
-        raise UsageError(f"{model.config.attention} attention has no attention weights to draw: leave out "
-                         "--attention_page")
+        raise UsageError(f"{model.config.attention} attention has no weights to draw: leave out --attention_page")
 
 
 def renamed(argv):
@@ -159,6 +160,10 @@ def main(argv):
     else:
         fill = reconstruct if ckpt.get("train_config", {}).get("objective") == "bart" else fill_spans
         mode = partial({"encoder": fill_masks, "encoder-decoder": fill}[arch], special=ckpt["tokens"])
+    if cfg.compile:  # compiled (or read back from inductor's cache) before the timing: tokens/s is the step's
+        with autocast, contextlib.redirect_stdout(io.StringIO()):
+            dt = timed(lambda: mode(model, tok, prompt, replace(cfg, max_new_tokens=2), device), device)[1]
+        print(f"sample.py: compiled the decode step in {dt:.1f} s", file=sys.stderr)
     torch.manual_seed(cfg.seed)
     with autocast:
         results, dt = timed(lambda: [mode(model, tok, prompt, cfg, device) for _ in range(cfg.num_samples)], device)

@@ -160,6 +160,21 @@ def test_sample_batch_gives_each_line_what_it_gets_alone(target_and_draft, sampl
         assert texts[i] == alone.split(SEP)[0]
 
 
+def test_a_compiled_sample_times_its_compile_apart_and_samples_what_eager_does(sample_py, monkeypatch):
+    """--compile=True compiles the step before the timing (a warm-up of 2 tokens, its output hidden),
+    says how long that took, and samples with the seed's draws as an eager run does."""
+    steps = []
+    def recording_compile(fn, **kw):  # a stand-in for torch.compile: no compiler needed
+        return lambda *args: steps.append(args[-1]) or fn(*args)
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    args = ["--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=12", "--seed=3"]
+    eager, _ = sample_py(*args)
+    compiled, err = sample_py(*args, "--compile=True")
+    assert compiled == eager and len(steps) == 1 + 11 and all(isinstance(n, int) for n in steps)
+    assert re.fullmatch(LOADED + r"sample.py: compiled the decode step in [\d.]+ s\n"
+                        r"sample.py: 12 tokens in [\d.]+ s, [\d.,]+ tokens/s \(decoder, cpu, float32 weights\)\n", err)
+
+
 def test_sample_with_a_draft_prints_the_acceptance_rate_and_the_target_text(sample_py):
     args = ["--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=30", "--temperature=0"]
     plain, _ = sample_py(*args)
@@ -251,7 +266,7 @@ def test_every_sample_mode_gives_a_result_one_summary_line_and_its_first_sequenc
     (["--out_dir=out-encoder", "--start=[MASK]", "--draft_dir=out-draft"], "an encoder fills in blanks"),
     (["--out_dir=out-target", "--draft_dir=out-encoder"], "out-encoder is an encoder: give --draft_dir a small decoder"),
     (["--out_dir=out-target", "--draft_dir=out-linear"], "linear attention's state cannot take back rejected draft"),
-    (["--out_dir=out-linear", "--attention_page=attn.html"], "linear attention has no attention weights to draw"),
+    (["--out_dir=out-linear", "--attention_page=attn.html"], "linear attention has no weights to draw"),
 ], ids=["batch", "encoder-target", "encoder-draft", "linear-draft", "linear-page"])
 def test_sample_refuses_what_speculative_decoding_cannot_do_before_it_starts(every_arch, args, message, refusal):
     refusal(sample.main, args, message, cwd=every_arch)
