@@ -1,6 +1,7 @@
 """
-Training on many processes under torchrun: the collectives the loop waits on, and FSDP2
-(--fsdp=True), which shards the model and its optimizer over the ranks.
+Training on many processes under torchrun: the collectives the loop waits on, and what FSDP2
+(--fsdp=True, --zero=2|3; parallel.shard) needs, which shards the model and its optimizer over the ranks.
+The mesh and the other schemes (tensor, pipeline, ZeRO-1) are in parallel.py.
 
 Under DDP every rank holds every parameter, its gradient and AdamW's two moments: 16 bytes per
 parameter in fp32. FSDP2's `fully_shard` leaves each rank a 1/world slice of each (a DTensor
@@ -23,8 +24,7 @@ import torch.distributed as dist
 try:  # FSDP2 and DTensor, public since torch 2.6
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_optimizer_state_dict)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor, Replicate
 except ImportError:
     fully_shard = None
@@ -54,13 +54,6 @@ def join_ranks(backend):
     dist.init_process_group(backend=backend, store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
 
 
-def context_group(n, rank, world):
-    """Context parallel: the process group of this rank's n consecutive ranks, which hold each sequence
-    a shard each, in order (ring attention); the groups run data parallel. Every rank makes every group."""
-    groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
-    return groups[rank // n]
-
-
 def context_shard(b, rank, n, group):
     """Rank's shard of each sequence of batch b (its inputs and targets), the (rank % n)-th of n, with the
     positions it holds and the group whose ranks hold the others."""
@@ -78,24 +71,6 @@ def context_line(config, n, batch_size, dtype):
     per_rank = batch_size * T * config.n_layer * 34 * config.n_embd * torch.finfo(dtype).bits / 16
     return (f"context parallel: {n} ranks a sequence of {config.block_size}, {T} positions each; activations about "
             f"{per_rank / 1e6:,.1f} MB a rank ({n * per_rank / 1e6:,.1f} MB in one)")
-
-
-def shard(model, device, dtype):
-    """Shard model over the ranks in place (FSDP2): each block of each stack is a unit, gathered
-    for its forward and backward only; the rest (embeddings, final norms, heads) is the root's.
-    In bf16/fp16 the weights are gathered in that dtype (half the bytes moved and held) and the
-    gradients reduced in fp32."""
-    # train.py keeps autocast on around the sharded model too. The matmuls lose nothing by it: their
-    # weights arrive in bf16, autocast's own cast of them. What it keeps is the fp32 of the norms,
-    # softmax and the loss, which autocast runs in fp32 as it does in one process; without it, weights
-    # gathered in bf16 would run the whole forward pass in bf16, a less exact model than DDP's.
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mixed = dict(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else {}
-    for stack in (model.encoder, model.decoder):
-        for block in stack.h if stack is not None else ():
-            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(**mixed))
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(**mixed))
-    return model
 
 
 def sharded(model):
@@ -131,6 +106,11 @@ def state_dicts(model, optimizer):
     """The model's and the optimizer's state dicts, whole and in the form one process writes (the
     optimizer's keyed by each parameter's index). Under FSDP every rank must call this: the slices
     are gathered one tensor at a time into rank 0's host memory, and the other ranks get (None, None)."""
+    if hasattr(model, "whole_states"):  # split by tensor or pipeline parallel (parallel.py)
+        return model.whole_states(optimizer)
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: each rank's share of the state to rank 0
+        optimizer.consolidate_state_dict(0)
+        return (model.state_dict(), optimizer.state_dict()) if dist.get_rank() == 0 else (None, None)
     if not sharded(model):
         return model.state_dict(), optimizer.state_dict()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -152,6 +132,8 @@ def state_dicts(model, optimizer):
 def load_optimizer_state(model, optimizer, state):
     """Load a state dict in the form state_dicts writes (whole, keyed by index), which every rank
     has read; under FSDP each rank keeps its slices of it."""
+    if hasattr(model, "load_part_state"):  # split by tensor or pipeline parallel: its parts of it
+        return model.load_part_state(optimizer, state)
     if not sharded(model) or not state["state"]:  # (no state yet: nothing to slice, and see state_dicts)
         return optimizer.load_state_dict(state)
     name = {p: n for n, p in model.named_parameters()}
