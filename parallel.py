@@ -35,6 +35,7 @@ from model import ATTENTIONS, Transformer
 
 try:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from torch.distributed.pipelining.schedules import ScheduleLoopedBFS
@@ -103,10 +104,18 @@ def problems(config, cfg, world, ddp):
          f"runs micro-steps in rounds of {pp}: make gradient_accumulation_steps / {dp} a multiple of it"),
         (zero == 1 and (tp > 1 or pp > 1 or cp > 1 or cfg.optimizer != "adamw"), "--zero=1 (ZeroRedundancyOptimizer) "
          "shards AdamW's state over data-parallel ranks alone: not with tp, pp, cp or Muon; --zero=2 or 3 may"),
-        (zero and pp > 1, "--zero with --pipeline_parallel: not built (DDP runs each stage's data parallel)"),
+        (pp > 1 and tp > 1 and dp > 1, "--pipeline_parallel with --tensor_parallel and data parallel: not built; "
+         "use two of the three"),
         (cp > 1 and (tp > 1 or pp > 1), "--context_parallel joins data parallel only: not tp or pp"),
         ((tp > 1 or pp > 1) and cfg.compile, "--compile with --tensor_parallel or --pipeline_parallel: not tested; "
          "leave out --compile")]
+
+
+def zero_stage(cfg, world):
+    """The ZeRO stage that runs: the one asked for; under tp or pp with data parallel, FSDP2's 3 or 2."""
+    pp, dp, _, tp = mesh_shape(cfg, world)
+    zero = 3 if cfg.fsdp else cfg.zero
+    return zero or (0 if dp == 1 or (tp == 1 and pp == 1) else 3 if pp == 1 else 2)
 
 
 def make_mesh(device, cfg, world):
@@ -195,12 +204,13 @@ class Stage(nn.Module):
         if not last:
             del m.lm_head, stack.ln_f
             m.mlm_head = None
-        self.stack, self.config = stack, c
+        self.stack, self.config, self.tp = stack, c, 1  # tp: sequence parallel passes 1/tp of the positions on
 
     def forward(self, h):
         m, c = self.model, self.config
         x = m.wte(h) if self.first else h
-        x = self.stack(x, torch.arange(x.size(1), device=x.device)[None])
+        T = h.size(1) if self.first else h.size(1) * self.tp
+        x = self.stack(x, torch.arange(T, device=x.device)[None])
         if not self.last:
             return x
         logits = m.lm_head(m.mlm_head(x) if m.mlm_head is not None else x)
@@ -221,7 +231,7 @@ class Pipeline(nn.Module):
     """This rank's stages of the pipeline (one, or two interleaved) and the schedules that run them:
     `step` trains on a list of micro-batches, a call evaluates one batch."""
 
-    def __init__(self, model, mesh, cfg, device, accum):
+    def __init__(self, model, mesh, cfg, device, dtype, accum):
         super().__init__()
         pp, rank, self.config = mesh["pp"].size(), mesh["pp"].get_local_rank(), model.config
         v = 2 if cfg.pipeline_schedule == "Interleaved1F1B" else 1
@@ -230,11 +240,12 @@ class Pipeline(nn.Module):
         self.stages = nn.ModuleList(Stage(model, *spans[s], s == 0, s == pp * v - 1) for s in ids)
         for s in self.stages if mesh["tp"].size() > 1 else ():
             tensor_parallel(s.model, mesh["tp"])
+            s.tp = mesh["tp"].size()
         self.first, self.last = ids[0] == 0, ids[-1] == pp * v - 1
         self.mesh, self.group, self.modules_ = mesh, group, list(self.stages)
-        if mesh["dp"].size() > 1:  # each stage's data parallel: DDP over the dp ranks of its coordinate
-            self.modules_ = [nn.parallel.DistributedDataParallel(s, process_group=mesh["dp"].get_group())
-                             for s in self.stages]
+        for s in self.stages if mesh["dp"].size() > 1 else ():  # each stage's data parallel: FSDP2, ZeRO-2 unless 3
+            shard(s, mesh["dp"], dtype, reshard=cfg.zero == 3 or cfg.fsdp)  # (the stage the root: PipelineStage
+            # then syncs the gradients on the last micro-step only)
         train = [PipelineStage(m, s, pp * v, device, group=group) for m, s in zip(self.modules_, ids)]
         evals = [PipelineStage(m, s, pp * v, device, group=group) for m, s in zip(self.modules_, ids)]
         kind = SCHEDULES[cfg.pipeline_schedule]
@@ -293,12 +304,12 @@ class Pipeline(nn.Module):
 def shard(model, mesh, dtype, reshard=True):
     """FSDP2 over mesh in place (ZeRO-3; reshard=False: ZeRO-2, the weights gathered once a step and kept
     from the forward pass to the backward): each block of each stack is a unit, the rest the root's."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # in bf16/fp16 the weights are gathered in that dtype (half the bytes) and the gradients reduced in fp32;
     # autocast stays on around the model (train.py), keeping norms, softmax and the loss in fp32 as in one process
     mixed = MixedPrecisionPolicy(**(dict(param_dtype=dtype, reduce_dtype=torch.float32)
                                     if dtype != torch.float32 else {}))
-    for stack in (model.encoder, model.decoder):
+    inner = getattr(model, "model", model)  # a pipeline's Stage holds its copy of the model
+    for stack in (inner.encoder, inner.decoder):
         for block in stack.h if stack is not None else ():
             fully_shard(block, mesh=mesh, mp_policy=mixed, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mixed, reshard_after_forward=reshard)
@@ -316,10 +327,10 @@ def parallelize(model, mesh, cfg, device, dtype, make_optimizer):
     keys = list(model.state_dict())
     pp, dp, _, tp = (mesh[d].size() for d in ("pp", "dp", "cp", "tp"))
     zero = 3 if cfg.fsdp else cfg.zero
-    if tp > 1:
+    if tp > 1 and pp == 1:  # (a pipeline splits each stage's copy)
         tensor_parallel(model, mesh["tp"])
     if pp > 1:
-        model = Pipeline(model, mesh, cfg, device, cfg.gradient_accumulation_steps // dp)
+        model = Pipeline(model, mesh, cfg, device, dtype, cfg.gradient_accumulation_steps // dp)
     elif zero >= 2 or (tp > 1 and dp > 1):  # under tp, data parallel through FSDP2 (see the docstring)
         shard(model, mesh["dp"], dtype, reshard=zero != 2)
     model.one_process, model.mesh_ = (order, groups, keys), mesh
@@ -459,7 +470,7 @@ def mesh_line(run):
     ranks = {}
     for r, f in enumerate(figures):
         ranks.setdefault(f, []).append(str(r))
-    zero = 3 if run.cfg.fsdp else run.cfg.zero
+    zero = zero_stage(run.cfg, run.world)
     return (f"mesh (pp, dp, cp, tp) = {shape}, zero={zero}; weights / gradients / optimizer state a rank: "
             + "; ".join(f"rank{'s' * (len(r) > 1)} {','.join(r)}: " + " / ".join(map(size, f))
                         for f, r in ranks.items()))
