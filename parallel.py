@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import UsageError
-from distributed import all_ranks, local, slice_like, whole
+from distributed import all_ranks, local, slice_like, split_layers, whole
 from model import ATTENTIONS, Transformer
 
 try:
@@ -219,12 +219,6 @@ class Stage(nn.Module):
 
 def loss_fn(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-
-
-def split_layers(n_layer, stages):
-    """[lo, hi) of each stage's blocks: as even as can be, the first stages one more."""
-    sizes = [n_layer // stages + (s < n_layer % stages) for s in range(stages)]
-    return [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(stages)]
 
 
 class Pipeline(nn.Module):
