@@ -327,7 +327,7 @@ def train(cfg, model_args, held, given=()):
     if ddp and device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    check_mesh(cfg, world)
+    check_mesh(cfg, world) if ddp else None  # (without torchrun: check_fits says to use it)
     if cfg.gradient_accumulation_steps % (dp := mesh_shape(cfg, world)[1]):
         raise UsageError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
                          f"the {world} processes' {dp} data-parallel groups: make it a multiple of {dp}")
