@@ -224,6 +224,14 @@ def activation_bytes(config, batch, T, dtype):
     return two - one, 2 * one - two
 
 
+def zero_stage(cfg, world):
+    """The ZeRO stage that runs: the one asked for; under tp or pp with data parallel, FSDP2's 3 or 2."""
+    rest = cfg.pipeline_parallel * cfg.context_parallel * cfg.tensor_parallel
+    pp, dp, tp = cfg.pipeline_parallel, max(1, world // rest), cfg.tensor_parallel
+    zero = 3 if cfg.fsdp else cfg.zero
+    return zero or (0 if dp == 1 or (tp == 1 and pp == 1) else 3 if pp == 1 else 2)
+
+
 def plan(config, world, pp=1, cp=1, tp=1, batch=1, accum=1, schedule="1F1B", optimizer="adamw",
          accounting="project", dtype=torch.bfloat16, checkpointing=False, params=0.0):
     """Bytes a rank holds (the most loaded one) for each ZeRO stage 0-3: {zero: (weights, gradients, optimizer
@@ -272,7 +280,7 @@ def plan_memory(argv, train_config, train_ranges):
     kw = dict(pp=pp, cp=cp, tp=tp, batch=cfg.batch_size, accum=max(1, cfg.gradient_accumulation_steps // dp),
               schedule=cfg.pipeline_schedule, optimizer=cfg.optimizer, accounting=m.accounting, dtype=dtype,
               checkpointing=m.checkpointing, params=m.params)
-    rows, gb = plan(config, m.gpus, **kw), lambda n: f"{n / 1e9:9.3g}"  # noqa: E731
+    rows, gb, ran = plan(config, m.gpus, **kw), lambda n: f"{n / 1e9:9.3g}", zero_stage(cfg, m.gpus)  # noqa: E731
     n = m.params or sum(p for p, _, _ in stage_parameters(config, 1, 1))
     print(f"{n / 1e9:.3g}B parameters on {m.gpus} GPUs of {m.gpu_memory:g} GB: mesh (pp, dp, cp, tp) = "
           f"{(pp, dp, cp, tp)}, {m.accounting} accounting" + ("" if m.params else
@@ -281,11 +289,11 @@ def plan_memory(argv, train_config, train_ranges):
     print(f"{'':8}{'weights':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total':>9}  fits")
     for zero, row in rows.items():
         print(f"{'ZeRO-' + str(zero) if zero else 'DDP':8}" + "".join(gb(x) for x in row) + gb(sum(row))
-              + f"  {'yes' if sum(row) <= m.gpu_memory * 1e9 else 'no'}" + "  <- --zero" * (zero == cfg.zero))
+              + f"  {'yes' if sum(row) <= m.gpu_memory * 1e9 else 'no'}" + "  <- runs" * (zero == ran))
     if not m.params:  # a rank's total grows by a block's share with each block a stage: the deepest that fits
         v = 2 if cfg.pipeline_schedule == "Interleaved1F1B" else 1
         more = plan(replace(config, n_layer=config.n_layer + pp * v), m.gpus, **kw)
-        zero, per = cfg.zero, (sum(more[cfg.zero]) - sum(rows[cfg.zero]))
+        zero, per = ran, (sum(more[ran]) - sum(rows[ran]))
         deepest = config.n_layer + int((m.gpu_memory * 1e9 - sum(rows[zero])) // per) * pp * v if per > 0 else 0
         print(f"the deepest of this width that fits under --zero={zero}: n_layer={deepest}" if deepest >= pp * v
               else f"no depth of this width fits under --zero={zero}")

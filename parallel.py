@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import UsageError
-from distributed import all_ranks, local, slice_like, split_layers, whole
+from distributed import all_ranks, local, slice_like, split_layers, whole, zero_stage
 from model import ATTENTIONS, Transformer
 
 try:
@@ -109,13 +109,6 @@ def problems(config, cfg, world, ddp):
         (cp > 1 and (tp > 1 or pp > 1), "--context_parallel joins data parallel only: not tp or pp"),
         ((tp > 1 or pp > 1) and cfg.compile, "--compile with --tensor_parallel or --pipeline_parallel: not tested; "
          "leave out --compile")]
-
-
-def zero_stage(cfg, world):
-    """The ZeRO stage that runs: the one asked for; under tp or pp with data parallel, FSDP2's 3 or 2."""
-    pp, dp, _, tp = mesh_shape(cfg, world)
-    zero = 3 if cfg.fsdp else cfg.zero
-    return zero or (0 if dp == 1 or (tp == 1 and pp == 1) else 3 if pp == 1 else 2)
 
 
 def make_mesh(device, cfg, world):

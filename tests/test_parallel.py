@@ -1,7 +1,7 @@
 """parallel.py under torchrun on CPU ranks (gloo): tensor, pipeline and ZeRO-1/2 parallel, alone and
 composed on one mesh, compute one process's step (its logged losses, its evaluations, its weights);
 their checkpoints are whole and resume under another mesh; bad meshes are refused in one line; the
-memory plan (distributed.plan, bench.py memory) equals what real ranks hold, and ZeRO's paper."""
+memory plan (distributed.plan) equals what real ranks hold, and ZeRO's paper."""
 
 import contextlib
 import os
@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import bench
 import sample
 import train
 from distributed import plan
@@ -45,20 +44,22 @@ def torchrun(run, d, n, *argv):
 
 
 def evals(log):
-    return [float(v) for v in re.findall(r"(?:train|val) loss ([\d.]+)", log)]
+    return [float(v) for pair in re.findall(r"^step \d+: train loss ([\d.]+), val loss ([\d.]+)", log, re.M)
+            for v in pair]
 
 
 def weights(path):
     return torch.load(path, weights_only=True)["model"]
 
 
-def assert_same_weights(a, b, path):
+def assert_same_weights(a, b, path, name=""):
     """Equal to rounding. Each step's gradient sums a term a token of the batch; in another order (split
     by heads, by stages, by ranks) it differs by up to tokens * eps relative, and so does AdamW's step:
     atol = tokens * eps * travel, travel the sum of the learning rates (how far AdamW moves a weight,
     whatever its gradient, m / sqrt(v) being scale-free). A weight whose gradient is its own rounding
     (softmax's key bias; a SwiGLU unit all but shut) moves by that noise, normalised: only within travel.
-    Those are few: at most 1 in 1000 may pass the first bound, none the second."""
+    Softmax ignores a shift common to every key, so the key bias (GPT-2's shape) is such a weight
+    throughout (as in test_distributed.py); the others are few: at most 1 in 1000 past the first bound."""
     ckpt = torch.load(path, weights_only=True)
     cfg = train.TrainConfig(**ckpt["train_config"])
     travel = sum(learning_rate(it, cfg) for it in range(ckpt["iter_num"]))
@@ -69,8 +70,12 @@ def assert_same_weights(a, b, path):
     for k in a:
         d = (a[k] - b[k]).abs()
         assert (d <= travel).all(), f"{k}: {d.max():.3g} apart, past AdamW's travel {travel:.3g}"
+        if k.endswith(".attn.c_attn.bias"):  # q, k, v one after another: the keys' part is noise alone
+            q = a[k.replace("c_attn.bias", "c_proj.weight")].size(1)
+            d = torch.cat((d[:q], d[(q + d.numel()) // 2:]))
+            b = b | {k: torch.cat((b[k][:q], b[k][(q + b[k].numel()) // 2:]))}
         past, total = past + (d > atol + 1e-5 * b[k].abs()).sum().item(), total + d.numel()
-    assert past * 1000 <= total, f"{past} of {total} weights past rounding ({atol:.2g})"
+    assert past * 1000 <= total, f"{name}: {past} of {total} weights past rounding ({atol:.2g})"
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +102,7 @@ def test_each_scheme_logs_one_process_losses_and_ends_with_its_weights(workdir, 
         for read in (losses, evals):
             assert max(abs(a - b) for a, b in zip(read(one), read(log))) <= 1e-4, (name, read(one), read(log))
         assert_same_weights(weights(d / f"out-{shape}" / "ckpt.pt"), weights(d / f"out-{name}" / "ckpt.pt"),
-                            d / f"out-{name}" / "ckpt.pt")
+                            d / f"out-{name}" / "ckpt.pt", name)
 
 
 @pytest.mark.slow
@@ -108,7 +113,7 @@ def test_the_start_line_prints_the_mesh_and_what_each_rank_holds(runs):
     one = re.search(r"ranks 0,1: ([\d.]+) MB / ([\d.]+) MB / ([\d.]+) MB$", runs["ddp"], re.M)
     # a quarter each: tp's halves of the split layers (the norms, 0.3% of the model, whole), FSDP's halves of those
     assert float(line[1]) == pytest.approx(float(one[1]) / 4, rel=0.02)
-    assert float(line[3]) == pytest.approx(2 * float(line[1]), rel=1e-3)  # AdamW's two moments
+    assert float(line[3]) == pytest.approx(2 * float(line[1]), rel=5e-3)  # AdamW's two moments (3 digits)
     assert re.search(r"rank 0: [\d.]+ MB / [\d.]+ MB / [\d.]+ MB; rank 1: ", runs["pp2"])  # a stage each
 
 
@@ -168,19 +173,6 @@ def test_the_plan_gives_zero_papers_figures_and_this_projects_own():
     assert [round(sum(paper[z]) / 1e9, 1) for z in range(4)] == [120.0, 31.4, 16.6, 1.9]
     assert [round(sum(ours[z]) / 1e9, 1) for z in range(4)] == [120.0, 60.9, 31.4, 1.9]
     assert ours[1][:3] == pytest.approx((30e9, 30e9, 60e9 / 64))
-
-
-def test_bench_memory_prints_the_plan(in_process, capsys):
-    capsys.readouterr()
-    assert in_process(bench.main, ["memory", "--params=7.5e9", "--accounting=paper", "--gpus=64"]) == 0
-    out = capsys.readouterr().out
-    for row, total in (("DDP", "120"), ("ZeRO-1", "31.4"), ("ZeRO-2", "16.6"), ("ZeRO-3", "1.88")):
-        assert re.search(rf"^{row} .* {total}  (yes|no)", out, re.M), out
-    assert in_process(bench.main, ["memory", "configs/gpt2_124m.py", "--gpus=8", "--tensor_parallel=2"],
-                      cwd=HERE) == 0
-    out = capsys.readouterr().out
-    assert "0.124B parameters on 8 GPUs" in out and "mesh (pp, dp, cp, tp) = (1, 4, 1, 2)" in out, out
-    assert re.search(r"the deepest of this width that fits under --zero=0: n_layer=\d+", out), out
 
 
 def held_by_ranks(rank, world, port, queue):
