@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+import hf
 import sample
 import train
 from distributed import plan
@@ -23,18 +24,24 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 ITERS = 6
 LLAMA = ["--pos=rope", "--n_head=4", "--n_kv_head=2", "--mlp=swiglu", "--norm=rmsnorm", "--bias=False",
          "--tie_embeddings=False"]  # a small Llama: RoPE, grouped-query attention, SwiGLU; the tiny run's GPT-2 shape else
-# name: (processes, shape, settings); each against the one-process run of its shape ("one", "gpt2")
+# the one-process runs: the Llama, the GPT-2 shape, a deeper Llama (two stages a rank), an encoder, Muon
+SHAPES = {"one": LLAMA, "gpt2": [], "four": [*LLAMA, "--n_layer=4"], "encoder": ["--arch=encoder"],
+          "muon": [*LLAMA, "--optimizer=muon"]}
+# name: (processes, shape, settings); each against the one-process run of its shape
 SCHEMES = {"ddp": (2, "one", []), "tp2": (2, "one", ["--tensor_parallel=2"]), "pp2": (2, "one", ["--pipeline_parallel=2"]),
            "zero1": (2, "one", ["--zero=1"]), "zero2": (2, "one", ["--zero=2"]),
            "tp2xdp2": (4, "one", ["--tensor_parallel=2"]), "pp2xdp2": (4, "one", ["--pipeline_parallel=2"]),
            "pp2xtp2": (4, "one", ["--pipeline_parallel=2", "--tensor_parallel=2"]),
-           "gpt2-tp2": (2, "gpt2", ["--tensor_parallel=2"]), "gpt2-pp2": (2, "gpt2", ["--pipeline_parallel=2"])}
+           "gpt2-tp2": (2, "gpt2", ["--tensor_parallel=2"]), "gpt2-pp2": (2, "gpt2", ["--pipeline_parallel=2"]),
+           "gpipe": (2, "one", ["--pipeline_parallel=2", "--pipeline_schedule=GPipe"]),
+           "interleaved": (2, "four", ["--pipeline_parallel=2", "--pipeline_schedule=Interleaved1F1B"]),
+           "encoder-pp2": (2, "encoder", ["--pipeline_parallel=2"]), "muon-tp2": (2, "muon", ["--tensor_parallel=2"])}
 
 
 def args(tiny_args, shape="one", *more):
     # four micro-steps a step (two a data-parallel rank on four ranks); evaluations at 0, 3 and 6
     return ["--dataset=verse", f"--max_iters={ITERS}", "--eval_interval=3", "--gradient_accumulation_steps=4",
-            *tiny_args, *(LLAMA if shape == "one" else []), *more]
+            *tiny_args, *SHAPES[shape], *more]
 
 
 def torchrun(run, d, n, *argv):
@@ -80,10 +87,11 @@ def assert_same_weights(a, b, path, name=""):
 
 @pytest.fixture(scope="module")
 def runs(workdir, run, tiny_args):
-    """Every scheme's run and the one-process runs they compare with, two at a time; their logs."""
+    """Every scheme's run and the one-process runs they compare with, two at a time; their logs (about
+    four minutes on two cores: most of each run is starting Python and torch, and DTensor's dispatch)."""
     d, _ = workdir
-    jobs = {"one": lambda: run("train.py", "--out_dir=out-one", *args(tiny_args), cwd=d)[1],
-            "gpt2": lambda: run("train.py", "--out_dir=out-gpt2", *args(tiny_args, "gpt2"), cwd=d)[1]}
+    jobs = {shape: lambda shape=shape: run("train.py", f"--out_dir=out-{shape}", *args(tiny_args, shape), cwd=d)[1]
+            for shape in SHAPES}
     for name, (n, shape, more) in SCHEMES.items():
         jobs[name] = lambda n=n, name=name, shape=shape, more=more: torchrun(
             run, d, n, f"--out_dir=out-{name}", *args(tiny_args, shape, *more))
@@ -126,9 +134,11 @@ def test_checkpoints_are_whole_and_resume_under_another_mesh(workdir, runs, run,
     assert all(tp["model"][k].shape == one["model"][k].shape for k in one["model"])
     assert list(tp["optimizer"]["state"]) == list(one["optimizer"]["state"])
     assert tp["optimizer"]["param_groups"] == one["optimizer"]["param_groups"]
-    capsys.readouterr()
+    capsys.readouterr()  # sample.py and hf.py export read a run split by tp and pp as any other
     assert in_process(sample.main, ["--out_dir=out-pp2xtp2", "--max_new_tokens=5", "--start=LEAR:"], cwd=d) == 0
     assert capsys.readouterr().out.startswith("LEAR:")
+    assert in_process(hf.main, ["export", "out-pp2xtp2", "hf-pp2xtp2", "--ckpt=latest"], cwd=d) == 0
+    assert "LlamaForCausalLM" in (d / "hf-pp2xtp2" / "config.json").read_text()
     # stopped at iteration 3 under tp=2 and resumed under tp=2: the weights of the run that never stopped, to
     # the bit; resumed in one process, and under pp=2, to rounding
     torchrun(run, d, 2, "--out_dir=out-half", *args(tiny_args, "one", "--tensor_parallel=2", "--max_iters=3"))
