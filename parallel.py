@@ -22,6 +22,7 @@ orders it, and the plans that split a model over it, all through torch's own eng
 Checkpoints stay whole: `whole_states` gathers every rank's part into the state one process writes.
 """
 
+import contextlib
 import copy
 import functools
 
@@ -94,9 +95,10 @@ def problems(config, cfg, world, ddp):
          "efficient or windowed attention, ALiBi or relative positions, post-norm, other architectures or LoRA"),
         (pp > 1 and stages > config.n_layer, f"--pipeline_parallel={pp} makes {stages} stages of whole blocks, more "
          f"than n_layer={config.n_layer}: lower it"),
-        (pp > 1 and (config.arch == "encoder-decoder" or config.n_expert or kind.redraws or not config.norm_first
-                     or cfg.lora_rank), "--pipeline_parallel runs a pre-norm decoder or encoder: not an "
-         "encoder-decoder, mixtures of experts (their balance loss), redrawn features, post-norm or LoRA"),
+        (pp > 1 and (config.arch in ("encoder-decoder", "prefix-lm") or config.n_expert or kind.redraws
+                     or not config.norm_first or cfg.lora_rank), "--pipeline_parallel runs a pre-norm decoder or "
+         "encoder: not an encoder-decoder or a prefix LM, mixtures of experts (their balance loss), redrawn features, "
+         "post-norm or LoRA"),
         (pp > 1 and cfg.pipeline_schedule not in ("GPipe",) and accum < pp, f"--pipeline_schedule="
          f"{cfg.pipeline_schedule} needs at least --pipeline_parallel={pp} micro-steps a data-parallel rank, not "
          f"{accum}: raise gradient_accumulation_steps to {pp * dp}, or use --pipeline_schedule=GPipe"),
@@ -229,12 +231,14 @@ class Pipeline(nn.Module):
             tensor_parallel(s.model, mesh["tp"])
             s.tp = mesh["tp"].size()
         self.first, self.last = ids[0] == 0, ids[-1] == pp * v - 1
-        self.mesh, self.group, self.modules_ = mesh, group, list(self.stages)
+        self.mesh, self.group = mesh, group
+        # the schedule runs forward and backward together: autocast (bf16/fp16) around both, as train.py's
+        self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
         for s in self.stages if mesh["dp"].size() > 1 else ():  # each stage's data parallel: FSDP2, ZeRO-2 unless 3
             shard(s, mesh["dp"], dtype, reshard=cfg.zero == 3 or cfg.fsdp)  # (the stage the root: PipelineStage
             # then syncs the gradients on the last micro-step only)
-        train = [PipelineStage(m, s, pp * v, device, group=group) for m, s in zip(self.modules_, ids)]
-        evals = [PipelineStage(m, s, pp * v, device, group=group) for m, s in zip(self.modules_, ids)]
+        train = [PipelineStage(m, s, pp * v, device, group=group) for m, s in zip(self.stages, ids)]
+        evals = [PipelineStage(m, s, pp * v, device, group=group) for m, s in zip(self.stages, ids)]
         kind = SCHEDULES[cfg.pipeline_schedule]
         self.schedule = kind(train if v > 1 else train[0], n_microbatches=accum, loss_fn=loss_fn)
         self.evaluator = ScheduleLoopedBFS(evals, 1, loss_fn=loss_fn) if v > 1 else \
@@ -261,10 +265,9 @@ class Pipeline(nn.Module):
 
     def run(self, schedule, idx, targets):
         """The mean loss of the micro-batches on the last stage's ranks, 0 on the others."""
-        losses = []
-        schedule.step(*([idx] if self.first else []), target=targets if self.last else None, losses=losses) \
-            if schedule is self.schedule else \
-            schedule.eval(*([idx] if self.first else []), target=targets if self.last else None, losses=losses)
+        losses, run = [], schedule.step if schedule is self.schedule else schedule.eval
+        with self.autocast:
+            run(*([idx] if self.first else []), target=targets if self.last else None, losses=losses)
         return torch.stack(losses).float().mean().detach() if losses else torch.zeros((), device=idx.device)
 
     def step(self, batches):
