@@ -16,7 +16,8 @@ orders it, and the plans that split a model over it, all through torch's own eng
   a rank). Tied embeddings live on the first and the last stage; their gradients are summed there.
 - dp: DDP, or ZeRO: --zero=1 torch's ZeroRedundancyOptimizer (the optimizer state, by parameter),
   --zero=2 FSDP2 keeping the weights whole from forward to backward, --zero=3 FSDP2 (--fsdp=True).
-  Under tp, the data-parallel ranks shard with FSDP2 (DDP takes no DTensor parameters).
+  Under tp or pp, the data-parallel ranks shard with FSDP2 (DDP takes no DTensor parameters, and its
+  reducer did not take a pipeline's micro-batches): ZeRO-3 under tp, ZeRO-2 under pp (zero_stage).
 - cp (--context_parallel): ring attention (ring.py) over the mesh's cp ranks.
 
 Checkpoints stay whole: `whole_states` gathers every rank's part into the state one process writes.
@@ -231,6 +232,7 @@ class Pipeline(nn.Module):
             tensor_parallel(s.model, mesh["tp"])
             s.tp = mesh["tp"].size()
         self.first, self.last = ids[0] == 0, ids[-1] == pp * v - 1
+        self.whole_params = sum(p.numel() for p in model.parameters())  # the whole model's, for the start line
         self.mesh, self.group = mesh, group
         # the schedule runs forward and backward together: autocast (bf16/fp16) around both, as train.py's
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()

@@ -5,6 +5,7 @@ Train any member of the family on one device or many.
     python train.py configs/shakespeare_char.py --n_layer=4 --pos=rope --max_iters=2000
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py --fsdp=True
+    torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py --tensor_parallel=2 --pipeline_parallel=2
     torchrun --standalone --nproc_per_node=8 --max_restarts=3 train.py configs/gpt2_124m.py --init_from=auto
 
 Settings come from TrainConfig (below) and ModelConfig (model.py); a config file is Python
@@ -409,7 +410,7 @@ def start_line(run, dtype):
     tokens_per_iter = run.cfg.gradient_accumulation_steps * run.cfg.batch_size * c.block_size
     flops_per_iter = run.raw_model.flops_per_token(c.block_size) * tokens_per_iter / run.world
     peak, source = peak_flops(device, dtype) if device.type == "cuda" else (None, "")
-    n_params = sum(p.numel() for p in run.raw_model.parameters())
+    n_params = getattr(run.raw_model, "whole_params", 0) or sum(p.numel() for p in run.raw_model.parameters())
     log(f"{c.arch} with {n_params / 1e6:.2f}M parameters on {run.world} x {device} ({dtype}); {tokens_per_iter:,} "
         f"tokens per iteration" + (f"; MFU against {source}" if peak else ""))
     if sharded(run.raw_model):
