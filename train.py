@@ -86,7 +86,7 @@ class TrainConfig:
     max_time: str = ""  # a budget for the whole run, "90s", "45m", "8h" (bare: seconds): it sets max_iters
     # evaluation, logging, checkpoints
     eval_interval: int = 250
-    eval_iters: int = 20  # batches per split and rank
+    eval_iters: int = 20  # batches per split, shared out over the data-parallel ranks
     eval_only: bool = False
     log_interval: int = 10
     always_save_checkpoint: bool = True  # ckpt.pt at every eval; best.pt only when val improves
