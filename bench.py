@@ -9,6 +9,7 @@ Every benchmark, one per name. Each measures its baseline in the same run, on th
     python bench.py family --max_time=2m   # every member trained for the same time: compare.html, family.md
     python bench.py scaling --sizes=64,128,256 --max_time=1m   # widths at equal time: L(N), compute-optimal N(C)
     python bench.py prepare --size=1GB   # prepare.py's MB/s and peak memory against tiktoken's batch encoder
+    python bench.py memory configs/gpt2_124m.py --gpus=8 --tensor_parallel=2   # what each rank holds (planned)
 
 Settings as in the other scripts (--key=value, or a config file); a list (--seqs, --dims, --sizes) is
 written with commas, --seqs=1024,4096, or one value alone. `python bench.py NAME --help` lists its settings.
@@ -36,6 +37,7 @@ from checkpoint import load_model
 from common import UsageError, check_ranges, parse_settings, sizes, usage
 from corpus import PrepareBenchConfig, bench_prepare
 from data import batch_rng, get_batch, load_data, new_model_config, special_tokens
+from distributed import MemoryConfig, plan_memory
 from device import peak_flops, pick_device, pick_dtype, precision, precision_name, run_script, timed
 from efficient import LinearState, PerformerState
 from generate import cache_size, decode, decode_layout, generate, piece_size, slots_used, speculative_generate
@@ -490,8 +492,7 @@ def streaming(argv):
 
 def stream_speed(model, L, steps, device, piece=512):
     """Tokens/s of `steps` decoding steps after L random tokens, and the bytes the cache holds."""
-    size = cache_size(model, L, steps)
-    model.setup_kv_cache(1, size, dtype=autocast_dtype(device))
+    model.setup_kv_cache(1, size := cache_size(model, L, steps), dtype=autocast_dtype(device))
     if L + steps > size:  # a ring that wraps takes the pieces prefill takes
         piece = min(piece, piece_size(model, L))
     idx = torch.randint(0, model.config.vocab_size, (1, L), device=device)
@@ -502,8 +503,7 @@ def stream_speed(model, L, steps, device, piece=512):
 
     def run():
         for i in range(steps):
-            step = decode(model, *state, None, slots_used(model, L + i + 1))
-            state[:] = step.argmax(-1, keepdim=True), state[1] + 1
+            state[:] = decode(model, *state, None, slots_used(model, L + i + 1)).argmax(-1, keepdim=True), state[1] + 1
     seconds = timed(run, device)[1]
     cache = [b for m in model.modules() if isinstance(m, (KVCache, LinearState, PerformerState)) for b in m.buffers()]
     nbytes = sum(b.numel() * b.element_size() for b in cache + [model.decoder.cache_pos] if b is not None)
@@ -514,10 +514,16 @@ def stream_speed(model, L, steps, device, piece=512):
 # ----------------------------------------------------------------------------------------------
 
 # each benchmark: its function, and the settings it parses (which --help lists) but those it skips
+def memory(argv):
+    """What each rank of a mesh holds, computed (distributed.plan): weights, gradients, optimizer state and
+    activations, under DDP and ZeRO-1/2/3, and the deepest model of the config's width that fits."""
+    return plan_memory(argv, TrainConfig, TRAIN_RANGES)
+
+
 BENCHES = {"train": (training, (TrainConfig, ModelConfig), ("vocab_size",)), "sample": (decoding, (DecodeConfig,), ()),
            "attention": (attention, (AttentionConfig,), ()), "stream": (streaming, (StreamConfig,), ()),
            "family": (family, (FamilyConfig,), ()), "scaling": (scaling, (ScalingConfig,), ()),
-           "prepare": (bench_prepare, (PrepareBenchConfig,), ())}
+           "prepare": (bench_prepare, (PrepareBenchConfig,), ()), "memory": (memory, (MemoryConfig, TrainConfig, ModelConfig), ())}
 
 
 def main(argv):

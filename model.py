@@ -454,7 +454,9 @@ class Attention(nn.Module):
             q = q if rope is None else apply_rope(q, *rope)
         else:  # q, k, v heads one after another: (B, n_head + 2 * n_kv_head, T, hs), the memory's keys first
             src = x if mem is None else torch.cat((mem, x), dim=1)
-            q, k, v = self.heads(self.c_attn(src)).split((c.n_head, c.n_kv_head, c.n_kv_head), dim=1)
+            qkv = self.heads(self.c_attn(src))  # under tensor parallel (parallel.py) 1/tp of each kind of head
+            n = (c.n_head + 2 * c.n_kv_head) // qkv.size(1)
+            q, k, v = qkv.split((c.n_head // n, c.n_kv_head // n, c.n_kv_head // n), dim=1)
             q, k = self.norm(q[:, :, -x.size(1):]), self.norm(k)
             if rope is not None:  # the keys' angles; the queries are the last of them
                 q, k = apply_rope(q, *(t[..., -x.size(1):, :] for t in rope)), apply_rope(k, *rope)
@@ -592,6 +594,7 @@ class Stack(nn.Module):
         self.h = nn.ModuleList(Block(config, cross, self.kind, bigbird) for _ in range(config.n_layer))
         self.ln_f = make_norm(config)
         self.cache_pos = None  # (B, size) while generating: the position each cache slot holds, -1: none
+        self.ends = (True, True)  # a pipeline stage (parallel.py) holds some blocks: with the stack's entry, its exit?
 
     def forward(self, x, pos, valid=None, memory=None, memory_valid=None, weights=None, mems=None, group=None,
                 prefix=None, slots_used=None):
@@ -601,13 +604,13 @@ class Stack(nn.Module):
         # group: context parallel, x is this rank's shard of sequences split over the group's ranks;
         # prefix (B,): a prefix LM's, the positions below it see each other both ways; slots_used (an int):
         # the cache's first slots that hold keys, the only ones read (None: every slot)
-        c = self.config
-        if c.pos == "learned":
+        c, (first, last) = self.config, self.ends
+        if c.pos == "learned" and first:
             x = x + self.wpe(pos)
-        elif c.pos == "sinusoidal":  # Vaswani et al. scale the embeddings so the sines do not drown them
+        elif c.pos == "sinusoidal" and first:  # Vaswani et al. scale the embeddings so the sines do not drown them
             x = x * math.sqrt(c.n_embd) + sinusoidal(pos, c.n_embd).to(x.dtype)
         x = x if c.norm_first else self.ln_f(x)  # post-norm ends each block with a norm; BERT normalises the input
-        x = self.drop(x)
+        x = self.drop(x) if first else x
         T, M = x.size(1), mems[0].size(1) if mems else 0
         before = torch.arange(M, device=x.device).expand(pos.size(0), M)  # the memory's positions, first
         pos = pos + M
@@ -638,7 +641,7 @@ class Stack(nn.Module):
             if mems is not None:
                 kept.append((torch.cat((mems[i], x), 1) if mems else x)[:, -c.mem_len:].detach())
             x = block(x, mask, cos_sin, memory, memory_mask, mems[i] if mems else None)
-        x = self.ln_f(x) if c.norm_first else x
+        x = self.ln_f(x) if c.norm_first and last else x
         return x if mems is None else (x, kept)
 
     def pieces(self, window, valid=None):

@@ -22,6 +22,7 @@ from torch.optim.adamw import adamw
 from common import UsageError
 from device import sync
 from distributed import slice_like, whole
+from parallel import clip_grad_norm
 
 # Newton-Schulz quintic coefficients of Muon's orthogonalisation (Keller Jordan's, tuned for the
 # steepest slope at zero: the singular values land near 1, between about 0.7 and 1.2)
@@ -161,7 +162,7 @@ def optimizer_step(model, optimizer, scaler, grad_clip, skip=None):
         return
     if grad_clip:
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        clip_grad_norm(model, grad_clip)  # torch's, with the norm summed over tensor and pipeline parts
     if on_device:
         optimizer.found_inf = skip  # under fp16 the scaler puts its own (a non-finite loss has non-finite gradients)
     scaler.step(optimizer)

@@ -132,8 +132,8 @@ class Report:
     def evaluation(self, it, losses):
         """Record an evaluation, then rewrite the page with a greedy sample of the model as it is now."""
         self.add(it, train_loss=losses["train"], val_loss=losses["val"])
-        if sharded(self.run.raw_model):  # rank 0 alone would wait for the others to gather each weight
-            pieces = [("(none under --fsdp=True, where rank 0 holds a slice of each weight: sample.py samples "
+        if sharded(self.run.raw_model) or hasattr(self.run.raw_model, "whole_states"):  # (tp, pp: a part of it)
+            pieces = [("(none under --fsdp=True, tp or pp, where rank 0 holds a part of the model: sample.py samples "
                        f"{self.run.cfg.out_dir}'s checkpoints)", False)]
         elif isinstance(self.tokenizer, str):
             pieces = [(self.tokenizer, False)]

@@ -7,7 +7,7 @@ log-sum-exp, so after world steps every query has seen every key, and no rank ev
 two key/value shards. The backward pass sends the key/value gradients round the ring with the blocks.
 
 Exact attention, so not efficient.py's: model.py calls ring_attention when a sequence is split over a
-context-parallel group (distributed.context_group, train.py's --context_parallel).
+context-parallel group (the mesh's cp ranks, parallel.py; train.py's --context_parallel).
 """
 
 import torch

@@ -5,6 +5,7 @@ Train any member of the family on one device or many.
     python train.py configs/shakespeare_char.py --n_layer=4 --pos=rope --max_iters=2000
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py --fsdp=True
+    torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py --tensor_parallel=2 --pipeline_parallel=2
     torchrun --standalone --nproc_per_node=8 --max_restarts=3 train.py configs/gpt2_124m.py --init_from=auto
 
 Settings come from TrainConfig (below) and ModelConfig (model.py); a config file is Python
@@ -42,8 +43,9 @@ from common import UsageError, check_ranges, parse_settings, usage
 from data import (STREAM, batch_rng, check_data, eval_rng, get_batch, load_data, sentence_ends, special_tokens,
                   stream_batch)
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, sync
-from distributed import (all_ranks, context_group, context_line, context_shard, finite, fully_shard, join_ranks,
-                         memory_line, shard, sharded, state_dicts)
+from distributed import (all_ranks, context_line, context_shard, finite, fully_shard, join_ranks, memory_line, sharded,
+                         state_dicts)
+from parallel import Pipeline, check_mesh, coordinates, make_mesh, mesh_line, mesh_shape, parallelize, problems, zero_one
 from model import ModelConfig, Transformer
 from lora import add_lora, lora_line
 from optim import Budget, Skips, budget_seconds, lr_factor, make_optimizer, optimizer_step
@@ -84,7 +86,7 @@ class TrainConfig:
     max_time: str = ""  # a budget for the whole run, "90s", "45m", "8h" (bare: seconds): it sets max_iters
     # evaluation, logging, checkpoints
     eval_interval: int = 250
-    eval_iters: int = 20  # batches per split and rank
+    eval_iters: int = 20  # batches per split, shared out over the data-parallel ranks
     eval_only: bool = False
     log_interval: int = 10
     always_save_checkpoint: bool = True  # ckpt.pt at every eval; best.pt only when val improves
@@ -107,6 +109,10 @@ class TrainConfig:
     backend: str = "auto"  # distributed: "nccl" on CUDA, "gloo" on CPU
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2), not DDP
     context_parallel: int = 1  # under torchrun: split each sequence over this many ranks (ring attention)
+    tensor_parallel: int = 1  # under torchrun: split each block's heads and MLP over this many ranks (parallel.py)
+    pipeline_parallel: int = 1  # under torchrun: split the blocks into this many stages of whole blocks
+    pipeline_schedule: str = "1F1B"  # the stages' order of micro-steps: "1F1B", "GPipe" or "Interleaved1F1B"
+    zero: int = 0  # ZeRO's stage over the data-parallel ranks: 0 (DDP), 1 (optimizer state), 2 (and gradients), 3
 
 
 # the values each setting may take, beyond its type (grad_clip=0: no clipping)
@@ -118,7 +124,8 @@ TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), optimizer=("adamw", "muon"
                     max_iters="[0, inf)", warmup_iters="[0, inf)", lr_decay_iters="[0, inf)", learning_rate="[0, inf)",
                     min_lr="[0, inf)", weight_decay="[0, inf)", grad_clip="[0, inf)", mean_span="[1, inf)",
                     seed="[0, inf)", context_parallel="[1, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]",
-                    noise_density="(0, 1)", keep_checkpoints="[0, inf)")
+                    noise_density="(0, 1)", keep_checkpoints="[0, inf)", tensor_parallel="[1, inf)",
+                    pipeline_parallel="[1, inf)", pipeline_schedule=("1F1B", "GPipe", "Interleaved1F1B"), zero=(0, 1, 2, 3))
 MASTER = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 logs and writes
 EVAL_NOTICE_S = 5  # an evaluation expected to take longer than this (seconds) says so early on
 STOP = []  # the signals received (SIGINT, SIGTERM): the run saves and stops at the next iteration
@@ -166,7 +173,8 @@ def check_fits(config, cfg, data, device, tokens, ddp):
             (config.mem_len and ddp, "mem_len (Transformer-XL) trains in one process here: the memory of each "
              "rank's rows would have to be gathered to be saved; leave out torchrun, or set mem_len=0"),
             (config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET,
-             "attn_impl='triton' runs on CUDA GPUs: use --attn_impl=auto (torch's SDPA here)")]:
+             "attn_impl='triton' runs on CUDA GPUs: use --attn_impl=auto (torch's SDPA here)"),
+            *problems(config, cfg, world, ddp)]:
         if wrong:
             raise UsageError(problem)
     check_data(config, data, cfg.dataset, tokens, cfg.noise_density, cfg.mean_span, cfg.objective)
@@ -204,26 +212,27 @@ def batch(run, split, gen, segment):
 
 @torch.no_grad()
 def evaluate(run, it):
-    """Mean loss over eval_iters batches per split and rank (the same batches at every eval),
-    averaged over the ranks; None if a signal cuts it short (the resumed run evaluates again).
-    One that will take more than a few seconds says so after its second batch."""
+    """Mean loss over eval_iters batches per split (the same batches at every eval, whatever the mesh:
+    the data-parallel ranks share them out); None if a signal cuts it short (the resumed run evaluates
+    again). One that will take more than a few seconds says so after its second batch."""
     run.model.eval()
     out, t0, stream = {}, time.time(), bool(run.raw_model.config.mem_len)  # streams: eval_iters segments on
+    (pp, dp, cp, tp), d = mesh_shape(run.cfg, run.world), coordinates(run.cfg, run.rank, run.world)["dp"]
     for split in ("train", "val"):
         losses, mems = torch.zeros(run.cfg.eval_iters, device=run.device), {}
-        for k in range(run.cfg.eval_iters):
+        for k in range(d, run.cfg.eval_iters, dp):
             if stopping(run.device):
                 run.model.train()
                 return None
-            gen = eval_rng(run.cfg.seed, split == "val", run.rank // run.cfg.context_parallel, STREAM if stream else k)
+            gen = eval_rng(run.cfg.seed, split == "val", 0, STREAM if stream else k)
             losses[k] = forward(run, batch(run, split, gen, k), mems)
-            if split == "train" and k < 2:  # timed by its second batch: the first pays for warming up
+            if split == "train" and k < 2 * dp:  # timed by its second batch: the first pays for warming up
                 sync(run.device)
                 now = time.time()
-                if k == 1 and (eta := (now - t0) * 2 * run.cfg.eval_iters) > EVAL_NOTICE_S:
+                if k >= dp and (eta := (now - t0) * 2 * run.cfg.eval_iters / dp) > EVAL_NOTICE_S:
                     log(f"step {it}: evaluating {2 * run.cfg.eval_iters} batches per rank, about {eta:.0f} s")
                 t0 = now
-        out[split] = all_ranks(losses.mean()).item() / run.world
+        out[split] = all_ranks(losses.mean()).item() / (cp * tp)  # each batch's loss: cp shards, tp copies
     run.model.train()
     return out
 
@@ -270,11 +279,14 @@ def forward(run, b, mems, key=0):
 def forward_backward(run, it, mems):
     """The gradients of iteration it's batch (this rank's share of its micro-steps); its mean loss.
     mems: the memory of each micro-step's streams (Transformer-XL), carried to the next iteration."""
-    n = run.cfg.context_parallel  # the ranks of a context group draw the same batches
-    accum = run.cfg.gradient_accumulation_steps * n // run.world
+    d = coordinates(run.cfg, run.rank, run.world)["dp"]  # the ranks of other dims draw the same batches
+    accum = run.cfg.gradient_accumulation_steps // mesh_shape(run.cfg, run.world)[1]
+    if isinstance(run.raw_model, Pipeline):  # the micro-steps in the schedule's order, the backward with them
+        return run.raw_model.step([batch(run, "train", batch_rng(run.cfg.seed, it, d * accum + m), it) for m in
+                                   range(accum)])
     step_loss = torch.zeros((), device=run.device)
     for micro in range(accum):  # a stream (Transformer-XL) draws its start once, then reads segment it
-        key = (STREAM if run.raw_model.config.mem_len else it, run.rank // n * accum + micro)
+        key = (STREAM if run.raw_model.config.mem_len else it, d * accum + micro)
         b = batch(run, "train", batch_rng(run.cfg.seed, *key), it)
         if isinstance(run.model, DDP):  # average gradients across ranks only on the last micro-step
             run.model.require_backward_grad_sync = micro == accum - 1
@@ -316,10 +328,10 @@ def train(cfg, model_args, held, given=()):
     if ddp and device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if cfg.gradient_accumulation_steps % max(1, world // cfg.context_parallel):
+    check_mesh(cfg, world) if ddp else None  # (without torchrun: check_fits says to use it)
+    if cfg.gradient_accumulation_steps % (dp := mesh_shape(cfg, world)[1]):
         raise UsageError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
-                         f"the {world} processes' data-parallel groups: make it a multiple of "
-                         f"{max(1, world // cfg.context_parallel)}")
+                         f"the {world} processes' {dp} data-parallel groups: make it a multiple of {dp}")
     dtype = pick_dtype(cfg.dtype, device)
     if device.type == "cuda":  # fp32 products on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -341,12 +353,12 @@ def train(cfg, model_args, held, given=()):
     check_fits(config, cfg, data, device, tokens, ddp)
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
         join_ranks(cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo")
-    group = context_group(cfg.context_parallel, rank, world) if cfg.context_parallel > 1 else None
+    mesh = make_mesh(device, cfg, world) if ddp else None  # (pp, dp, cp, tp)
+    group = mesh["cp"].get_group() if cfg.context_parallel > 1 else None
 
-    model = build_model(cfg, config, ckpt, device, rank)
-    if cfg.fsdp:  # before the optimizer, which steps on the slices
-        shard(model, device, dtype)
-    optimizer = make_optimizer(model, cfg, fused=device.type in ("cuda", "cpu"))
+    model = build_model(cfg, config, ckpt, device, rank)  # split before the optimizer, which steps on the parts
+    model = parallelize(model, mesh, cfg, device, dtype, make_optimizer)
+    optimizer = zero_one(make_optimizer(model, cfg, fused=device.type in ("cuda", "cpu")), cfg, mesh)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     # progress: the best val loss so far, and the iteration and val loss of the last full evaluation
     it, progress = 0, dict(best_val_loss=float("inf"), evaluated_at=None, val_loss=None, fitted_iters=None, mems={})
@@ -359,7 +371,7 @@ def train(cfg, model_args, held, given=()):
             return 0
     del ckpt
     compiled = torch.compile(model) if cfg.compile else model
-    if ddp and not cfg.fsdp:  # experts a batch does not route to get no gradient, which DDP must be told
+    if ddp and not sharded(model) and mesh_shape(cfg, world)[::3] == (1, 1):  # experts a batch does not route to get no gradient, which DDP must be told
         compiled = DDP(compiled, device_ids=[local_rank] if device.type == "cuda" else None,
                        find_unused_parameters=config.n_expert > 0)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
@@ -398,11 +410,13 @@ def start_line(run, dtype):
     tokens_per_iter = run.cfg.gradient_accumulation_steps * run.cfg.batch_size * c.block_size
     flops_per_iter = run.raw_model.flops_per_token(c.block_size) * tokens_per_iter / run.world
     peak, source = peak_flops(device, dtype) if device.type == "cuda" else (None, "")
-    n_params = sum(p.numel() for p in run.raw_model.parameters())
+    n_params = getattr(run.raw_model, "whole_params", 0) or sum(p.numel() for p in run.raw_model.parameters())
     log(f"{c.arch} with {n_params / 1e6:.2f}M parameters on {run.world} x {device} ({dtype}); {tokens_per_iter:,} "
         f"tokens per iteration" + (f"; MFU against {source}" if peak else ""))
     if sharded(run.raw_model):
         log(memory_line(run.optimizer, run.world))
+    if run.world > 1:
+        log(mesh_line(run))
     if run.group is not None:
         log(context_line(c, run.cfg.context_parallel, run.cfg.batch_size, dtype))
     if run.cfg.lora_rank:
@@ -488,8 +502,8 @@ def loop(run, it, progress, dtype):
                       f"{holds(ckpt_path, saved_at)}: lower learning_rate, raise warmup_iters or set grad_clip",
                       file=sys.stderr)
             return 1
-        if looking and run.group is not None:  # context parallel: the loss of the whole batch, every shard's mean
-            step_loss = all_ranks(step_loss) / run.world
+        if looking and run.world > 1:  # the whole batch's: every data-parallel rank's share and shard (pp: the last)
+            step_loss = all_ranks(step_loss) / (run.world // run.cfg.pipeline_parallel)
         if looking and MASTER:  # the first as soon as it is timed
             sync(device)
             dt = (time.time() - t0) / (it - t0_iter)  # fewer than log_interval after a resume or an eval

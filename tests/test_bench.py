@@ -1,8 +1,9 @@
 """bench.py: the decoding benchmarks (against transformers on the same weights, int8, the compiled
 step, the memory bound; speculative decoding against the target alone), the attention a training batch takes, and its command line in the style of the
-other scripts. (bench.py train against nanoGPT's recipe: test_train.py.)"""
+other scripts; bench.py memory prints the plan. (bench.py train against nanoGPT's recipe: test_train.py.)"""
 
 import io
+import os
 import re
 from contextlib import redirect_stdout
 
@@ -16,6 +17,8 @@ import train
 from common import UsageError
 from model import ModelConfig
 from quantize import quantize_int8
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, where configs/ is
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,8 +157,8 @@ def test_bench_attention_reads_lists_with_commas():
 @pytest.mark.parametrize("args, message", [
     (["train", "--max_iter=3"], "did you mean --max_iters?"),
     (["attention", "--sqes=1"], "did you mean --seqs?"),
-    ([], "no benchmark named: choose one of train, sample, attention, stream, family, scaling, prepare"),
-    (["attentoin"], "unknown benchmark 'attentoin': choose one of train, sample, attention, stream, family, scaling, prepare"),
+    ([], "no benchmark named: choose one of train, sample, attention, stream, family, scaling, prepare, memory"),
+    (["attentoin"], "unknown benchmark 'attentoin': choose one of train, sample, attention, stream, family, scaling, prepare, memory"),
     pytest.param(["attention", "--seqs=512"], "attention needs a CUDA GPU", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="checks the message printed where there is no GPU")),
 ], ids=["misspelt-train-setting", "misspelt-attention-setting", "no-name", "unknown-name", "no-gpu"])
@@ -170,8 +173,8 @@ def test_bench_from_the_command_line_answers_help_and_refuses_in_one_line_with_e
     (code, text, _), (code2, out, err) = in_parallel(lambda: run("bench.py", "--help", cwd=tmp_path),
                                                      lambda: run("bench.py", "attentoin", cwd=tmp_path))
     assert code == 0 and "Settings (--key=value" in text
-    assert out == "" and one_line_error((code2, out, err), "choose one of train, sample, attention, stream, family, scaling, prepare")
-    assert err == "bench.py: error: unknown benchmark 'attentoin': choose one of train, sample, attention, stream, family, scaling, prepare " \
+    assert out == "" and one_line_error((code2, out, err), "choose one of train, sample, attention, stream, family, scaling, prepare, memory")
+    assert err == "bench.py: error: unknown benchmark 'attentoin': choose one of train, sample, attention, stream, family, scaling, prepare, memory " \
                   "(python bench.py --help lists their settings)\n", err
 
 
@@ -193,3 +196,19 @@ def test_bench_prepare_measures_prepare_py_and_tiktoken_on_the_same_text(tmp_pat
 
 def test_bench_prepare_refuses_a_size_it_cannot_read(refusal):
     refusal(bench.main, ["prepare", "--size=lots"], "--size='lots' is not a size", "--size=1GB")
+
+
+# ----------------------------------------------------------------------------------------------
+# What each rank of a mesh holds, planned (distributed.plan; tests/test_parallel.py checks the plan)
+
+def test_bench_memory_prints_the_plan(in_process, capsys):
+    capsys.readouterr()
+    assert in_process(bench.main, ["memory", "--params=7.5e9", "--accounting=paper", "--gpus=64"]) == 0
+    out = capsys.readouterr().out
+    for row, total in (("DDP", "120"), ("ZeRO-1", "31.4"), ("ZeRO-2", "16.6"), ("ZeRO-3", "1.88")):
+        assert re.search(rf"^{row} .* {total}  (yes|no)", out, re.M), out
+    assert in_process(bench.main, ["memory", "configs/gpt2_124m.py", "--gpus=8", "--tensor_parallel=2"],
+                      cwd=ROOT) == 0
+    out = capsys.readouterr().out
+    assert "0.124B parameters on 8 GPUs" in out and "mesh (pp, dp, cp, tp) = (1, 4, 1, 2)" in out, out
+    assert re.search(r"the deepest of this width that fits under --zero=\d: n_layer=\d+", out), out

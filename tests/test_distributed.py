@@ -209,4 +209,4 @@ def test_context_parallel_is_refused_in_one_line_where_it_cannot_run(workdir, ru
     refusal(train.main, args(tiny_args, "--out_dir=out-cp-alibi", "--context_parallel=2", "--pos=alibi"),
             "ring attention is exact softmax attention", cwd=d)
     refusal(train.main, args(tiny_args, "--out_dir=out-cp-3", "--context_parallel=3", "--block_size=15"),
-            "a multiple of n processes", cwd=d)
+            "the world size must be a multiple of 3", cwd=d)  # (the mesh: pp x cp x tp)
