@@ -120,7 +120,11 @@ def test_a_message_names_what_the_user_meant(trained, refusal, tmp_path, tiny_ar
 
 def test_at_most_one_test_in_twenty_is_marked_slow(request):
     """The quick command (README) leaves out the tests marked slow; they must stay few. Counted over
-    what this run collected: the full run (CI's) sees every mark."""
+    what this run collected, when it collected every test file: the full run (CI's) sees every mark."""
     items = request.session.items
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = {"test_model.py"} | {f for f in os.listdir(os.path.join(root, "tests")) if re.fullmatch(r"test_\w+\.py", f)}
+    if not files <= {os.path.basename(str(item.path)) for item in items}:
+        pytest.skip("a run of part of the suite: the share of slow tests is the whole suite's")
     slow = [item.nodeid for item in items if item.get_closest_marker("slow")]
     assert 20 * len(slow) <= len(items), (len(slow), len(items))
