@@ -83,14 +83,16 @@ def decode(model, idx, input_pos, src_mask=None, slots_used=None):
 
 def compiled(device, **options):
     """The decode step compiled (options: torch.compile's). On a GPU: one static graph per cache size,
-    replayed as a CUDA graph. On a CPU, plain inductor code, where slots_used is a size: dynamic from
-    the first call, so one graph serves every count. torch.compile keeps what it compiled with decode's
-    code, so a second call reuses it; inductor keeps its code on disk under the cache directory
-    (common.CACHE, unless TORCHINDUCTOR_CACHE_DIR names another), where a later process finds it."""
+    replayed as a CUDA graph. On a CPU, plain inductor code, where slots_used grows by one a step:
+    dynamo compiles the first count as a constant, and at the second makes it a size (its automatic
+    dynamic shapes), so one more graph serves every count (and one once a ring is full). torch.compile
+    keeps what it compiled with decode's code, so a second call reuses it; inductor keeps its code on
+    disk under the cache directory (common.CACHE, unless TORCHINDUCTOR_CACHE_DIR names another),
+    where a later process finds it."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(CACHE, "inductor"))
     if device.type == "cuda":
         return torch.compile(decode, dynamic=False, mode="reduce-overhead", **options)
-    return torch.compile(decode, dynamic=True, **options)
+    return torch.compile(decode, **options)  # not dynamic=True: every shape a size, slower (docs/model.md)
 
 
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
