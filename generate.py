@@ -20,9 +20,9 @@ COMPILED_CACHE_STEP = 256  # a compiled step's cache sizes come in steps of this
 
 
 def absolute_positions(config):
-    """Whether positions are absolute (added to the embeddings): then the context of a sequence
-    longer than block_size must be recomputed from its new first token."""
-    return config.pos in ("learned", "sinusoidal")
+    """Whether positions are absolute (added to the embeddings, or a location score's row per position):
+    then the context of a sequence longer than block_size must be recomputed from its new first token."""
+    return config.pos in ("learned", "sinusoidal") or config.score == "location"
 
 
 def cache_size(model, prompt, new, step=1):

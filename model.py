@@ -15,6 +15,7 @@ One config expresses GPT-2, BERT, T5, Llama and the original Transformer:
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 import efficient
 import kernels
 import ring
+import scores
 
 ARCHS = ("decoder", "encoder", "encoder-decoder", "prefix-lm")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
@@ -52,11 +54,12 @@ class Kind(NamedTuple):
     state: Callable | None = None  # (config, batch_size, device) -> its empty recurrent state (keeps="state")
     shared_qk: bool = False  # its keys are made from its queries: c_attn projects queries and values only
     fixed_length: bool = False  # its draws have a column per position: no sequence longer than block_size
+    scores: bool = False  # takes ModelConfig.score's other score functions (scores.py), on the math path
 
 
 ATTENTIONS = {
     "softmax": Kind(causal=True, bidirectional=True, keeps="kv", bias=True, window=True, weights=True, kernel=True,
-                    export=True),
+                    export=True, scores=True),
     # phi(q) phi(k)ᵀ, phi = elu + 1, O(T) (Katharopoulos et al. 2020)
     "linear": Kind(causal=True, bidirectional=True, keeps="state", bias=False, window=False, weights=False,
                    kernel=False, export=False,
@@ -125,10 +128,12 @@ class ModelConfig:
     logit_softcap: float = 0.0  # logits -> c * tanh(logits / c), bounded by c (Gemma 2; nanochat 15); 0 = off
     zero_init: bool = False  # output projections, and an untied lm_head, start at zero (modded-nanogpt)
     attn_impl: str = "auto"  # "auto" (fastest here), "triton" (kernels.py), "sdpa" (torch's), "math"
+    score: str = "scaled_dot"  # q·k/sqrt(hs); or "dot", "general", "additive", "location" (scores.py: math path)
 
     def __post_init__(self):
         for name, choices in [("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS),
-                              ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS), ("attention", tuple(ATTENTIONS))]:
+                              ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS), ("attention", tuple(ATTENTIONS)),
+                              ("score", scores.SCORES)]:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known: choose one of "
                                  + ", ".join(map(repr, choices)))
@@ -187,6 +192,10 @@ class ModelConfig:
              "attn_impl='auto', which trains with dropout through SDPA"),
             (triton and not kind.kernel, f"the Triton kernel computes softmax attention, not {a} attention: use "
              "attn_impl='auto' or 'sdpa'"),
+            (self.score != "scaled_dot" and (triton or not kind.scores), f"score={self.score!r} runs on the math path "
+             f"of softmax attention, not {a} attention nor Triton's: use attention='softmax', attn_impl='auto'"),
+            (self.score == "location" and self.mem_len, "score='location' has a row per position up to block_size, "
+             "and a memory's keys come before them: set mem_len=0"),
             (triton and (self.n_global or self.n_random), "the Triton kernel has neither global tokens nor sinks, "
              "nor random blocks: use attn_impl='auto' (SDPA) or 'sdpa'"),
             (self.pos in ("alibi", "relative") and not kind.bias, f"pos={self.pos!r} adds a bias to attention "
@@ -300,6 +309,7 @@ class Mask(NamedTuple):
     slots: torch.Tensor | None = None  # (Tq,) while generating: the KV cache slots the queries' keys go to
     weights: list | None = None  # where each layer appends its weights (B, nh, Tq, Tk), on the math path
     ring: object = None  # a process group whose ranks hold the sequence in order, a shard each (ring attention)
+    keys: torch.Tensor | None = None  # (B|1, Tk) the keys' positions, -1 for none (a location score reads them)
 
 
 # "auto" takes the Triton kernel only where it was measured faster than SDPA (docs/kernels.md):
@@ -317,6 +327,8 @@ def attn_impl(config, device, training, mask, Tq):
     compute capability 8.0, Ampere, or later; no relative bias, no attention dropout, heads of at
     most 128), else torch's SDPA. Stack.mask asks it once per forward and mask, not every layer. A
     model trained through the kernel on a GPU runs the same attention through SDPA on a CPU."""
+    if config.score != "scaled_dot":  # the other score functions (scores.py) are written out: the math path
+        return "math"
     if config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET:
         return "sdpa"
     if config.attn_impl != "auto":
@@ -335,8 +347,9 @@ def autocast_dtype(device, default=None):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else default
 
 
-def attention(q, k, v, mask, dropout=0.0):
-    """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs),
+def attention(q, k, v, mask, dropout=0.0, score=None):
+    """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs) (or another
+    score(q, k) in place of q kᵀ / sqrt(hs), on the math path: scores.py),
     on the backend mask.backend. Each group of nh / n_kv_head query heads shares one key/value head
     (grouped-query attention). Returns the output (B, nh, Tq, hs) and, on the math path, the
     weights (B, nh, Tq, Tk). mask.ring: the keys of the other shards come round the ring."""
@@ -356,7 +369,7 @@ def attention(q, k, v, mask, dropout=0.0):
     if q.size(1) != k.size(1):  # each key/value head serves a group of query heads
         group = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
-    att = ((q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)).float()  # (B, nh, Tq, Tk); scaling q costs less
+    att = (score(q, k) if score else (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)).float()  # (B, nh, Tq, Tk)
     if causal:  # in place: the product's backward needs q and k, not att
         att.masked_fill_(torch.ones(att.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     att = att if bias is None else att + bias
@@ -413,7 +426,8 @@ class Attention(nn.Module):
         else:  # all three from x: one product, not two (GPT-2's c_attn, gpt-fast's wqkv); shared QK: no keys
             self.c_attn = nn.Linear(config.n_embd, q_size + (1 if shared_qk else 2) * kv_size, bias=config.bias)
         self.c_proj = nn.Linear(q_size, config.n_embd, bias=config.bias)
-        for name, t in ATTENTIONS[kind].draws(c).items():  # its kind's draws, then BigBird's: saved with the weights
+        for name, t in (ATTENTIONS[kind].draws(c) | scores.score_weights(c)).items():  # its kind's draws, its score's
+            # weights, then BigBird's: saved with the weights
             register = self.register_parameter if isinstance(t, nn.Parameter) else self.register_buffer
             register(name, t)
         free = efficient.free_blocks(c.block_size, c.sparse_block, c.window, c.n_global) if bigbird else None
@@ -474,7 +488,7 @@ class Attention(nn.Module):
             see = efficient.random_mask(self.random_blocks, q.size(2), c.sparse_block)  # (nh, T, T)
             see = see if mask.valid is None else see & mask.valid[:, None, None, :]
             mask = mask._replace(bias=torch.where(see, 0.0, mask.bias))
-        y, att = attention(q, k, v, mask, dropout)
+        y, att = attention(q, k, v, mask, dropout, None if c.score == "scaled_dot" else partial(scores.score, self, mask.keys))
         if mask.weights is not None:  # on the math path, which computes them
             mask.weights.append(att.detach())
         return y
@@ -629,7 +643,8 @@ class Stack(nn.Module):
         window = c.window if slots is None else reach(c)
         name = "decoder" if self.causal else "encoder"
         record = (lambda what: weights.setdefault(f"{name} {what}", [])) if weights is not None else lambda what: None
-        if group is not None and (valid is not None or prefix is not None or self.kind != "softmax" or M):
+        if group is not None and (valid is not None or prefix is not None or self.kind != "softmax" or M
+                                  or c.score != "scaled_dot"):
             raise ValueError("ring attention (group) takes whole sequences of softmax attention: no padding, "
                              "prefix, memory or other kind (and no attention dropout)")
         mask = Mask(self.causal, ring=group) if group is not None else \
@@ -667,7 +682,7 @@ class Stack(nn.Module):
         bias = self.attn_bias(pos, keys, own, window, prefix) if dense or self.config.pos in ("alibi", "relative") \
             else None  # else plain causal (or nothing): SDPA's own
         return Mask(self.causal, valid=valid, bias=bias, backend="sdpa" if backend == "triton" else backend,
-                    slots=slots, weights=weights)
+                    slots=slots, weights=weights, keys=keys)
 
     def memory_mask(self, Tq, valid, device, weights=None):
         """The same for cross-attention to the encoder's output, whose padding is valid (B, S)."""
@@ -790,9 +805,10 @@ class Transformer(nn.Module):
 
     def check_length(self, T):
         c = self.config  # a table as long as block_size: learned positions, Linformer's projections, BigBird's blocks
-        if (c.pos == "learned" or ATTENTIONS[c.attention].fixed_length or c.n_random) and T > c.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size={c.block_size}, the end of the "
-                             "learned position table (or Linformer's projections, BigBird's blocks): crop the input")
+        if (c.pos == "learned" or ATTENTIONS[c.attention].fixed_length or c.n_random or c.score == "location") \
+                and T > c.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={c.block_size}, the end of the learned "
+                             "position table (or Linformer's projections, BigBird's blocks, location scores): crop it")
 
     def optimizer_groups(self, weight_decay):
         """AdamW's two parameter groups: matrices (weights of Linear and Embedding) decay; biases and

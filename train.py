@@ -158,9 +158,9 @@ def check_fits(config, cfg, data, device, tokens, ddp):
             (n > 1 and config.block_size % n, f"--context_parallel={n}: block_size={config.block_size} must be a "
              "multiple of it, so that every rank holds as many positions"),
             (n > 1 and (config.arch != "decoder" or config.window or config.pos in ("alibi", "relative") or
-                        config.attention != "softmax" or config.mem_len), "--context_parallel: ring attention is "
-             "exact softmax attention of a decoder (whose shards count equal tokens in the loss), with no window, "
-             "score bias or memory"),
+                        (config.attention, config.score) != ("softmax", "scaled_dot") or config.mem_len),
+             "--context_parallel: ring attention is exact softmax attention (the scaled dot product) of a decoder "
+             "(whose shards count equal tokens in the loss), with no window, score bias or memory"),
             (cfg.objective == "bart" and config.arch != "encoder-decoder", "--objective=bart trains an encoder-decoder "
              "to denoise: set --arch=encoder-decoder, or leave out --objective"),
             (config.mem_len and ddp, "mem_len (Transformer-XL) trains in one process here: the memory of each "
