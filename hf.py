@@ -234,6 +234,7 @@ SHARED = dict(  # every family's rows, but where FIELDS says otherwise
     vocab_size=CARRIED, block_size=CARRIED, n_layer=CARRIED, n_head=CARRIED, n_embd=CARRIED, head_size=CARRIED,
     mlp_hidden=CARRIED, norm_eps=CARRIED, tie_embeddings=CARRIED, dropout=CARRIED,  # eval mode drops nothing
     attn_impl=HARMLESS, zero_init=HARMLESS,  # a kernel for the same attention; where training started
+    score="scaled_dot", patch_size=0, n_classes=0, image_size=HARMLESS, channels=HARMLESS,  # read by images only
     # read only by experts, RoPE, T5's positions, and by the attention kinds and BigBird blocks that rows refuse
     **dict.fromkeys("expert_top_k moe_aux_weight rope_theta rope_scaling rel_buckets rel_max_distance n_features "
                     "feature_redraw proj_len bucket_size n_hashes sparse_block".split(), HARMLESS),

@@ -15,7 +15,6 @@ One config expresses GPT-2, BERT, T5, Llama and the original Transformer:
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -129,6 +128,10 @@ class ModelConfig:
     zero_init: bool = False  # output projections, and an untied lm_head, start at zero (modded-nanogpt)
     attn_impl: str = "auto"  # "auto" (fastest here), "triton" (kernels.py), "sdpa" (torch's), "math"
     score: str = "scaled_dot"  # q·k/sqrt(hs); or "dot", "general", "additive", "location" (scores.py: math path)
+    patch_size: int = 0  # > 0: an encoder of images (B, C, H, W) cut into P x P patches (ViT); 0: of token ids
+    image_size: int = 224  # with patch_size: the images' height and width...
+    channels: int = 3  # ...and channels (1: a spectrogram)
+    n_classes: int = 0  # with patch_size: the classes the head scores from [CLS]'s final state
 
     def __post_init__(self):
         for name, choices in [("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS),
@@ -138,7 +141,7 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known: choose one of "
                                  + ", ".join(map(repr, choices)))
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_size", "mlp_hidden", "n_features",
-                     "proj_len", "bucket_size", "n_hashes", "sparse_block"):
+                     "proj_len", "bucket_size", "n_hashes", "sparse_block", "image_size", "channels"):
             if getattr(self, name) is not None and getattr(self, name) < 1:  # None: derived below
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
         self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
@@ -194,8 +197,6 @@ class ModelConfig:
              "attn_impl='auto' or 'sdpa'"),
             (self.score != "scaled_dot" and (triton or not kind.scores), f"score={self.score!r} runs on the math path "
              f"of softmax attention, not {a} attention nor Triton's: use attention='softmax', attn_impl='auto'"),
-            (self.score == "location" and self.mem_len, "score='location' has a row per position up to block_size, "
-             "and a memory's keys come before them: set mem_len=0"),
             (triton and (self.n_global or self.n_random), "the Triton kernel has neither global tokens nor sinks, "
              "nor random blocks: use attn_impl='auto' (SDPA) or 'sdpa'"),
             (self.pos in ("alibi", "relative") and not kind.bias, f"pos={self.pos!r} adds a bias to attention "
@@ -212,13 +213,18 @@ class ModelConfig:
              "cannot have it, choose arch='decoder' or attention='softmax'"),
             (self.n_global < 0 or self.n_global and not self.window, f"n_global={self.n_global}: global tokens "
              "are seen from a window's queries (Longformer): set window, or n_global=0"),
-            (self.feature_redraw < 0 or self.n_random < 0 or self.mem_len < 0, "feature_redraw, n_random and mem_len "
-             "must be 0 (off) or positive"),
+            (min(self.feature_redraw, self.n_random, self.mem_len, self.patch_size, self.n_classes) < 0,
+             "feature_redraw, n_random, mem_len, patch_size and n_classes must be 0 (off) or positive"),
+            ((self.patch_size or self.n_classes) and not (self.arch == "encoder" and self.patch_size and self.n_classes
+             and not self.image_size % self.patch_size and (self.image_size // self.patch_size) ** 2 < self.block_size),
+             f"a ViT (patch_size={self.patch_size}, n_classes={self.n_classes}) is an encoder (arch='encoder') of "
+             "images whose image_size is a multiple of patch_size, in fewer patches than block_size (one more: [CLS])"),
             (self.mem_len and self.arch != "decoder", "mem_len: a memory of segments before (Transformer-XL) is for "
              "decoders: set arch='decoder', or mem_len=0"),
-            (self.mem_len and (self.pos in ("learned", "sinusoidal") or a != "softmax" or self.n_global),
-             f"mem_len: the memory's keys come before every segment, where pos={self.pos!r} would restart at 0: "
-             "choose pos='rope', 'alibi', 'relative' or 'none', with softmax attention and no global tokens"),
+            (self.mem_len and (self.pos in ("learned", "sinusoidal") or a != "softmax" or self.n_global
+                               or self.score == "location"), f"mem_len: the memory's keys come before every segment, "
+             f"where pos={self.pos!r} (or a location score) would restart at 0: choose pos='rope', 'alibi', 'relative' "
+             "or 'none', with softmax attention, no global tokens and no location score"),
             (a == "lsh" and (self.block_size % self.bucket_size or self.block_size // self.bucket_size % 2),
              f"lsh hashes into block_size // bucket_size buckets, an even number: block_size={self.block_size} "
              f"and bucket_size={self.bucket_size} do not make one; choose bucket_size to divide block_size / 2"),
@@ -327,12 +333,10 @@ def attn_impl(config, device, training, mask, Tq):
     compute capability 8.0, Ampere, or later; no relative bias, no attention dropout, heads of at
     most 128), else torch's SDPA. Stack.mask asks it once per forward and mask, not every layer. A
     model trained through the kernel on a GPU runs the same attention through SDPA on a CPU."""
-    if config.score != "scaled_dot":  # the other score functions (scores.py) are written out: the math path
-        return "math"
     if config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET:
         return "sdpa"
-    if config.attn_impl != "auto":
-        return config.attn_impl
+    if config.attn_impl != "auto" or config.score != "scaled_dot":  # other scores (scores.py) are written out
+        return config.attn_impl if config.score == "scaled_dot" else "math"
     plain = mask.bias is None and not mask.window and mask.alibi is None and mask.valid is None
     faster = not plain and config.block_size >= KERNEL_MIN_CONTEXT and Tq >= KERNEL_MIN_QUERIES
     applies = (config.pos != "relative" and not (training and config.dropout) and not config.n_global
@@ -348,11 +352,11 @@ def autocast_dtype(device, default=None):
 
 
 def attention(q, k, v, mask, dropout=0.0, score=None):
-    """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs) (or another
-    score(q, k) in place of q kᵀ / sqrt(hs), on the math path: scores.py),
-    on the backend mask.backend. Each group of nh / n_kv_head query heads shares one key/value head
-    (grouped-query attention). Returns the output (B, nh, Tq, hs) and, on the math path, the
-    weights (B, nh, Tq, Tk). mask.ring: the keys of the other shards come round the ring."""
+    """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs) (on the math
+    path, score(q, k) in place of q kᵀ / sqrt(hs): scores.py), on the backend mask.backend. Each group of
+    nh / n_kv_head query heads shares one key/value head (grouped-query attention). Returns the output
+    (B, nh, Tq, hs) and, on the math path, the weights (B, nh, Tq, Tk). mask.ring: the keys of the other
+    shards come round the ring."""
     if mask.ring is not None:  # context parallel: exact attention over the whole sequence, a shard here
         return ring.ring_attention(q, k, v, mask.causal, mask.ring), None
     if mask.backend == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
@@ -488,7 +492,8 @@ class Attention(nn.Module):
             see = efficient.random_mask(self.random_blocks, q.size(2), c.sparse_block)  # (nh, T, T)
             see = see if mask.valid is None else see & mask.valid[:, None, None, :]
             mask = mask._replace(bias=torch.where(see, 0.0, mask.bias))
-        y, att = attention(q, k, v, mask, dropout, None if c.score == "scaled_dot" else partial(scores.score, self, mask.keys))
+        score = None if c.score == "scaled_dot" else lambda q, k: scores.score(self, mask.keys, q, k)
+        y, att = attention(q, k, v, mask, dropout, score)
         if mask.weights is not None:  # on the math path, which computes them
             mask.weights.append(att.detach())
         return y
@@ -726,17 +731,17 @@ class Transformer(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.config = config
-        C = config.n_embd
-        self.wte = nn.Embedding(config.vocab_size, C)
+        self.config, C, P = config, config.n_embd, config.patch_size
+        self.wte = nn.Linear(config.channels * P * P, C) if P else nn.Embedding(config.vocab_size, C)  # ViT: patches
+        self.cls = nn.Parameter(torch.zeros(1, 1, C)) if P else None  # ViT's [CLS], whose final state is classified
         self.encoder = Stack(config, causal=False) if config.arch in ("encoder", "encoder-decoder") else None
         cross = config.arch == "encoder-decoder"
         self.decoder = Stack(config, causal=True, cross=cross) if config.arch != "encoder" else None
         # BERT transforms the hidden state once more before predicting
         self.mlm_head = nn.Sequential(nn.Linear(C, C, bias=config.bias), nn.GELU(config.gelu_approximate),
-                                      make_norm(config)) if config.arch == "encoder" else None
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=config.lm_head_bias)
-        if config.tie_embeddings:  # one matrix reads and writes tokens (Press & Wolf 2017)
+                                      make_norm(config)) if config.arch == "encoder" and not P else None
+        self.lm_head = nn.Linear(C, config.n_classes or config.vocab_size, bias=config.lm_head_bias or P > 0)
+        if config.tie_embeddings and not P:  # one matrix reads and writes tokens (Press & Wolf 2017)
             self.lm_head.weight = self.wte.weight
         for m in self.modules():  # GPT-2's initialisation
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -767,6 +772,8 @@ class Transformer(nn.Module):
         (B,): a prefix LM's prefix in each row, its first positions, which see each other both ways; the
         targets before P - 1 take no loss."""
         c = self.config
+        if c.patch_size:  # ViT: idx holds images, targets labels
+            return self.classify(idx, targets, weights)
         B, T = idx.shape
         if input_pos is None:
             self.check_length(T)
@@ -796,6 +803,16 @@ class Transformer(nn.Module):
             if c.n_expert:
                 loss = loss + c.moe_aux_weight * sum(m.aux_loss for m in self.modules() if isinstance(m, MoE))
         return (logits, loss, mems) if return_mems else (logits, loss)
+
+    def classify(self, images, labels=None, weights=None):
+        """ViT (Dosovitskiy et al. 2020): images (B, C, H, W) -> logits (B, n_classes) from [CLS]; loss: labels (B,)"""
+        P, S, C = self.config.patch_size, self.config.image_size, self.config.channels
+        if images.dim() != 4 or images.shape[1:] != (C, S, S):
+            raise ValueError(f"images of shape {tuple(images.shape)}, not (B, channels={C}, {S}, {S}): resize them")
+        x = self.wte(F.unfold(images, P, stride=P).transpose(1, 2))  # (B, C*P*P, N) -> (B, N, n_embd)
+        x = torch.cat((self.cls.expand(len(x), -1, -1), x), 1)  # [CLS] first: (B, 1 + N, n_embd)
+        logits = self.lm_head(self.encoder(x, torch.arange(x.size(1), device=x.device)[None], weights=weights)[:, 0])
+        return logits, None if labels is None else F.cross_entropy(logits, labels)
 
     def encode(self, src, src_mask=None, weights=None):
         """The encoder's output (B, S, C) for src (B, S): the memory the decoder attends to."""

@@ -361,6 +361,7 @@ OTHER = {  # for each ModelConfig field, values other than the families' own (th
     "bias": (False, True),
     "dropout": (0.1,), "tie_embeddings": (False, True), "lm_head_bias": (True, False), "qk_norm": (True,),
     "logit_softcap": (15.0,), "zero_init": (True,), "attn_impl": ("math", "sdpa"),
+    "score": ("dot", "scaled_dot"), "patch_size": (4,), "image_size": (16,), "channels": (1,), "n_classes": (5,),
 }
 BASES = {"gpt2": "gpt2", "bert": "bert", "t5": "t5-v1.0", "llama": "llama-gqa-untied", "mistral": "mistral-window-8"}
 
