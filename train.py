@@ -195,7 +195,7 @@ def batch(run, split, gen, segment):
     (Transformer-XL), segment `segment` of the streams whose starts gen draws."""
     c, cfg = run.raw_model.config, run.cfg
     b = stream_batch(run.data[split], cfg.batch_size, c.block_size, gen, segment) if c.mem_len else \
-        get_batch(run.data[split], c.arch, cfg.batch_size, c.block_size, gen, run.tokens, run.meta["vocab_size"],
+        get_batch(run.data[split], c.arch, cfg.batch_size, c.block_size, gen, run.tokens, run.meta.get("vocab_size"),
                   cfg.mask_prob, cfg.noise_density, cfg.mean_span, cfg.objective)
     pinned = run.device.type == "cuda"  # pinned memory lets the copy overlap with compute (if contiguous)
     b = {k: (v.contiguous().pin_memory() if pinned else v).to(run.device, non_blocking=pinned) for k, v in b.items()}
@@ -205,10 +205,11 @@ def batch(run, split, gen, segment):
 @torch.no_grad()
 def evaluate(run, it):
     """Mean loss over eval_iters batches per split and rank (the same batches at every eval),
-    averaged over the ranks; None if a signal cuts it short (the resumed run evaluates again).
-    One that will take more than a few seconds says so after its second batch."""
+    averaged over the ranks (an image classifier's val_acc too); None if a signal cuts it short (the
+    resumed run evaluates again). One that will take more than a few seconds says so after its second batch."""
     run.model.eval()
     out, t0, stream = {}, time.time(), bool(run.raw_model.config.mem_len)  # streams: eval_iters segments on
+    right = torch.zeros((), device=run.device) if run.raw_model.config.n_classes else None  # val's right answers
     for split in ("train", "val"):
         losses, mems = torch.zeros(run.cfg.eval_iters, device=run.device), {}
         for k in range(run.cfg.eval_iters):
@@ -216,7 +217,7 @@ def evaluate(run, it):
                 run.model.train()
                 return None
             gen = eval_rng(run.cfg.seed, split == "val", run.rank // run.cfg.context_parallel, STREAM if stream else k)
-            losses[k] = forward(run, batch(run, split, gen, k), mems)
+            losses[k] = forward(run, batch(run, split, gen, k), mems, right=right if split == "val" else None)
             if split == "train" and k < 2:  # timed by its second batch: the first pays for warming up
                 sync(run.device)
                 now = time.time()
@@ -224,6 +225,8 @@ def evaluate(run, it):
                     log(f"step {it}: evaluating {2 * run.cfg.eval_iters} batches per rank, about {eta:.0f} s")
                 t0 = now
         out[split] = all_ranks(losses.mean()).item() / run.world
+    if right is not None:
+        out["val_acc"] = all_ranks(right).item() / (run.cfg.eval_iters * run.cfg.batch_size * run.world)
     run.model.train()
     return out
 
@@ -257,12 +260,15 @@ def save(run, path, iter_num, **progress):
     return True
 
 
-def forward(run, b, mems, key=0):
+def forward(run, b, mems, key=0, right=None):
     """The loss of batch b; with a memory (Transformer-XL), the segment after the one that left
-    mems[key] (each layer's memory), which it replaces."""
+    mems[key] (each layer's memory), which it replaces. right: an image classifier's right answers add to it."""
     with run.autocast:
         if not run.raw_model.config.mem_len:
-            return run.model(**b)[1]
+            logits, loss = run.model(**b)
+            if right is not None:
+                right += (logits.argmax(-1) == b["targets"]).sum()
+            return loss
         _, loss, mems[key] = run.model(**b, mems=mems.get(key), return_mems=True)
         return loss
 
@@ -337,7 +343,8 @@ def train(cfg, model_args, held, given=()):
     if changed:  # as in nanoGPT the training settings come from the command line: say which differ
         log("resuming with training settings changed from the checkpoint's: " + ", ".join(changed))
     # the objectives' own tokens: a mask, a decoder start, sentinels, (BART) the ends of sentences it permutes
-    tokens = (ckpt["tokens"] if ckpt else special_tokens(meta["vocab_size"])) | sentence_ends(meta, cfg.objective)
+    tokens = ckpt["tokens"] if ckpt else special_tokens(meta.get("vocab_size", 0))  # (images: unused)
+    tokens = tokens | sentence_ends(meta, cfg.objective)
     check_fits(config, cfg, data, device, tokens, ddp)
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
         join_ranks(cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo")
@@ -415,7 +422,8 @@ def record_evaluation(run, it, losses, progress, saved_at, report):
     then hand it to the report; returns the iteration that ckpt.pt holds."""
     cfg, (ckpt_path, best_path) = run.cfg, checkpoint_paths(run.cfg.out_dir)
     progress.update(evaluated_at=it, val_loss=losses["val"])
-    log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+    acc = f", val acc {losses['val_acc']:.4f}" if "val_acc" in losses else ""  # an image classifier's
+    log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{acc} "
         f"({time.time() - START:.1f} s since start)")
     if not math.isfinite(losses["val"]):
         log(f"the val loss is not finite: no checkpoint written ({holds(ckpt_path, saved_at)})")
