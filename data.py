@@ -29,7 +29,7 @@ def load_data(data_dir, dataset):
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        if meta.get("kind") in MEDIA:  # images (or spectrograms) and their labels
+        if isinstance(meta, dict) and meta.get("kind") in MEDIA:  # images (or spectrograms) and their labels
             return load_media(path, meta), meta
         data = {s: np.memmap(os.path.join(path, f"{s}.bin"), dtype=meta["dtype"], mode="r") for s in ("train", "val")}
         check_meta(meta)

@@ -181,7 +181,8 @@ def example(path, meta):
     """One file as the model reads it, normalised as its dataset was: an image, or a .wav's log-mel."""
     C, S, _ = meta["shape"]
     x = log_mel(*read_wav(path), S, S) if path.endswith(".wav") else read_image(path, S, C)
-    return (x - meta["normalize"]["mean"]) / meta["normalize"]["std"]
+    mean, std = (np.reshape(meta["normalize"][k], (-1, 1, 1)) for k in ("mean", "std"))  # a scalar, or one a channel
+    return ((x - mean) / std).astype(np.float32)
 
 
 def top_classes(model, meta, path, k=5):

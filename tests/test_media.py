@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+import hf
 import prepare
 import sample
 import train
 from data import get_batch, load_data
-from media import PIXELS, log_mel, mel_matrix, read_wav
+from media import PIXELS, example, log_mel, mel_matrix, read_wav
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -118,6 +119,15 @@ def test_a_vit_learns_synthesized_tones_logs_val_acc_and_sample_names_the_pitch(
         lines = capsys.readouterr().out.splitlines()
         probs = [float(line.split()[0]) for line in lines]
         assert lines[0].split()[1] == f"{int(f)}hz" and len(lines) == 4 and math.isclose(sum(probs), 1, abs_tol=1e-3)
+    transformers = pytest.importorskip("transformers")  # the run exported, read by transformers with our logits
+    assert in_process(hf.main, ["export", "out-vit-tones", "hf-tones"], cwd=tmp_path) == 0
+    theirs = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf-tones").eval()
+    ours, _ = hf.load_source("resume", tmp_path / "out-vit-tones")
+    x = torch.from_numpy(example(str(tmp_path / "new" / "800hz" / "0.wav"), json.load(open(tmp_path / "data" / "tones" /
+                                                                                             "meta.json"))))[None]
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(x)[0], theirs(pixel_values=x).logits, atol=1e-4, rtol=0)
+    assert list(theirs.config.id2label.values()) == ["1200hz", "300hz", "500hz", "800hz"]  # the folders, sorted
 
 
 def test_token_data_for_an_image_model_and_images_for_a_token_model_are_refused(tmp_path, in_process, refusal,
