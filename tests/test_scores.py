@@ -163,7 +163,7 @@ def test_a_score_takes_the_math_path_and_a_location_score_ignores_the_keys(name,
 @pytest.mark.parametrize("kw, words", [
     (dict(score="dot", attention="linear"), "not linear attention"),
     (dict(score="general", attn_impl="triton"), "Triton"),
-    (dict(score="location", mem_len=4, pos="rope"), "mem_len=0"),
+    (dict(score="location", mem_len=4, pos="rope"), "no location score"),
     (dict(score="cosine"), "score='cosine' is not known"),
 ])
 def test_a_score_with_what_it_cannot_go_with_is_refused_in_one_line(kw, words):
