@@ -187,10 +187,10 @@ def model_config_of(cfg, model_args, meta, ckpt, ckpt_path, whole=False):
     training settings (cfg, train.py's) that differ from the checkpoint's, as lines to show."""
     source = ckpt_path if cfg.init_from == "resume" else cfg.init_from
     if ckpt is None:
-        return new_model_config(model_args, meta["vocab_size"]), []
+        return new_model_config(model_args, meta.get("vocab_size"), meta), []
     given = model_args
     if whole:  # the vocabulary is the data's: compared below
-        model_args = {k: v for k, v in asdict(new_model_config(model_args, meta["vocab_size"])).items()
+        model_args = {k: v for k, v in asdict(new_model_config(model_args, meta.get("vocab_size"), meta)).items()
                       if k not in RUN_TIME and k != "vocab_size"} | model_args
     try:
         config = ModelConfig(**ckpt["model_config"])  # a field newer than the checkpoint: its default
@@ -206,12 +206,13 @@ def model_config_of(cfg, model_args, meta, ckpt, ckpt_path, whole=False):
                 (f"--init_from=auto: the default {k}={want!r}", "to continue that run")
             raise UsageError(f"{asked} does not match {source}'s {k}={saved[k]!r}: set --{k}={saved[k]!r} {fix}, or "
                              "train a new model (--init_from=scratch) in another --out_dir")
-    if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab", "tokenizer_json")):
+    if any(ckpt["meta"].get(k) != meta.get(k) for k in ("vocab_size", "tokenizer", "vocab", "tokenizer_json",
+                                                              "classes")):
         if cfg.init_from != "resume":
             raise UsageError(f"dataset {cfg.dataset!r} was not prepared with {source}'s tokenizer: prepare it with "
                              f"python prepare.py text --input=... --tokenizer={ckpt['path']}")
-        raise UsageError(f"{source} was trained on other data ({ckpt['meta']['tokenizer']}, vocabulary "
-                         f"{ckpt['meta']['vocab_size']}) than {cfg.dataset}: resume with "
+        raise UsageError(f"{source} was trained on other data ({ckpt['meta'].get('tokenizer', 'images')}, vocabulary "
+                         f"{ckpt['meta'].get('vocab_size')}) than {cfg.dataset}: resume with "
                          f"--dataset={ckpt['train_config']['dataset']}")
     # as in nanoGPT, training settings come from the command line and config file, not the
     # checkpoint: the caller says which differ, so that a resume without the run's config file is noticed

@@ -108,6 +108,16 @@ def parse_settings(argv, *classes, skip=(), positional=(), files=True):
 SOURCES = {}  # setting -> where the last parse_settings found it: "--key", a config file, a positional name
 
 
+def renamed(argv, names, script):
+    """argv with renamed settings (names: {old: new}) under their new names, each old one named on stderr."""
+    for i, arg in enumerate(argv):
+        old = arg[2:].partition("=")[0]
+        if arg.startswith("--") and old in names:
+            print(f"{script}: --{old} is now --{names[old]}", file=sys.stderr)
+            argv = argv[:i] + [f"--{names[old]}" + arg[2 + len(old):]] + argv[i + 1:]
+    return argv
+
+
 def as_given(key, value):
     """How a message names a setting the user gave: "--pos='rope'", or "pos='rope' (from configs/x.py)"."""
     where = SOURCES.get(key, f"--{key}")

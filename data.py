@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from common import UsageError
+from media import MEDIA, load_media
 from model import ModelConfig
 from tokenizer import Tokenizer
 
@@ -28,6 +29,8 @@ def load_data(data_dir, dataset):
     try:
         with open(meta_path) as f:
             meta = json.load(f)
+        if isinstance(meta, dict) and meta.get("kind") in MEDIA:  # images (or spectrograms) and their labels
+            return load_media(path, meta), meta
         data = {s: np.memmap(os.path.join(path, f"{s}.bin"), dtype=meta["dtype"], mode="r") for s in ("train", "val")}
         check_meta(meta)
         for s, d in data.items():  # a file cut short (a copy stopped midway) reads as other tokens
@@ -65,10 +68,29 @@ def special_tokens(data_vocab):
                 sentinel_step=1)
 
 
-def new_model_config(model_args, data_vocab):
+def kind_mismatch(patch_size, meta):
+    """Why a model with this patch_size cannot read a dataset of this meta.json, or None."""
+    if bool(patch_size) != (meta.get("kind") in MEDIA):
+        return (f"the dataset holds {meta['kind']} ({meta['classes'][:3]}...): a model of them reads patches, set "
+                "patch_size (configs/vit_digits.py)") if not patch_size else (
+                f"patch_size={patch_size} reads images, and the dataset holds tokens: prepare images "
+                "(python prepare.py digits, images or audio), or leave out patch_size")
+
+
+def new_model_config(model_args, data_vocab, meta=None):
     """The ModelConfig of a new model of these settings for data of data_vocab tokens: its vocabulary
     is the data's plus the special tokens its objective uses (a decoder none, an encoder the mask, an
-    encoder-decoder the rest), rounded up to a multiple of 64, which matmuls like."""
+    encoder-decoder the rest), rounded up to a multiple of 64, which matmuls like. With the data's meta.json,
+    of images: their shape and classes, unless the settings say otherwise (check_data then compares)."""
+    if meta is not None and (problem := kind_mismatch(model_args.get("patch_size"), meta)):
+        raise UsageError(problem)
+    if meta is not None and meta.get("kind") in MEDIA:
+        C, S, _ = meta["shape"]
+        try:
+            return ModelConfig(**dict(arch="encoder", channels=C, image_size=S, n_classes=meta["n_classes"],
+                                      tie_embeddings=False, vocab_size=1) | model_args)
+        except ValueError as e:
+            raise UsageError(f"bad model settings: {e}") from None
     tokens, arch = special_tokens(data_vocab), model_args.get("arch", ModelConfig.arch)
     used = {"decoder": data_vocab, "encoder": tokens["mask"] + 1,
             "encoder-decoder": tokens["sentinel"] + tokens["n_sentinel"]}.get(arch, data_vocab)
@@ -105,7 +127,10 @@ def eval_rng(seed, *key):
 def get_batch(data, arch, batch_size, block_size, gen, tokens, data_vocab, mask_prob=0.15, noise_density=0.15,
               mean_span=3.0, objective="span"):
     """A random batch of the objective for this architecture, as CPU tensors (an encoder-decoder's:
-    objective, "span" or "bart")."""
+    objective, "span" or "bart"); of images (data: load_media's split), images and their labels."""
+    if isinstance(data, dict):
+        ix = torch.randint(len(data["labels"]), (batch_size,), generator=gen).numpy()
+        return dict(idx=torch.from_numpy(data["images"][ix]), targets=torch.from_numpy(data["labels"][ix].astype(int)))
     L = block_size + (arch in ("decoder", "prefix-lm"))  # a decoder's targets are its inputs shifted by one
     ix = torch.randint(len(data) - L, (batch_size,), generator=gen).tolist()
     x = torch.from_numpy(np.stack([data[i : i + L] for i in ix]).astype(np.int64))
@@ -123,6 +148,15 @@ def get_batch(data, arch, batch_size, block_size, gen, tokens, data_vocab, mask_
 def check_data(config, data, dataset, tokens, noise_density, mean_span, objective="span"):
     """That the data and the objective fit the model: a UsageError that says how, before any work."""
     L = config.block_size
+    if isinstance(data["train"], dict) or config.patch_size:  # images: of the model's shape, for its classes
+        meta = dict(kind="images", classes=["..."]) if isinstance(data["train"], dict) else {}
+        if problem := kind_mismatch(config.patch_size, meta):
+            raise UsageError(problem)
+        shape, want = data["train"]["images"].shape[1:], (config.channels, config.image_size, config.image_size)
+        if shape != want or config.n_classes <= data["train"]["labels"].max(initial=0):
+            raise UsageError(f"{dataset} holds images {tuple(shape)} of up to {int(data['train']['labels'].max()) + 1} "
+                             f"classes; the model reads {want} of {config.n_classes}: train a new model on it")
+        return
     if config.arch == "encoder-decoder" and objective == "span":  # a part of each sequence, in spans, each a sentinel
         if L < 2:
             raise UsageError(f"span corruption hides part of each sequence: block_size={L} must be at least 2")

@@ -27,7 +27,8 @@ def out_of_memory(e):
 
 
 
-def pick_device(name):
+def pick_device(name, local_rank=None):
+    """The device --device names; under torchrun (local_rank given) a CUDA one is this process's GPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -36,6 +37,9 @@ def pick_device(name):
         raise UsageError("--device=mps but MPS is not available: use --device=cpu (or auto)")
     if name not in ("cpu", "mps") and not re.fullmatch(r"cuda(:\d+)?", name):
         raise UsageError(f"--device={name} is not known: choose auto, cpu, cuda, cuda:N or mps")
+    if local_rank is not None and name.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device(name)
 
 

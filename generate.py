@@ -27,9 +27,9 @@ SLOTS_IN_USE_ON = ("cpu",)  # devices whose passes read only the cache's slots i
 
 
 def absolute_positions(config):
-    """Whether positions are absolute (added to the embeddings): then the context of a sequence
-    longer than block_size must be recomputed from its new first token."""
-    return config.pos in ("learned", "sinusoidal")
+    """Whether positions are absolute (added to the embeddings, or a location score's row per position):
+    then the context of a sequence longer than block_size must be recomputed from its new first token."""
+    return config.pos in ("learned", "sinusoidal") or config.score == "location"
 
 
 def cache_size(model, prompt, new, step=1):

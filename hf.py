@@ -35,6 +35,7 @@ from data import special_tokens
 from lora import save_peft
 from tokenizer import GPT2_EOT, Tokenizer, hf_files, token_names, tokenizer_meta
 from model import ATTENTIONS, ModelConfig, Transformer
+import hf_vit
 from quantize import Int4Linear, Int8Linear
 
 
@@ -47,20 +48,17 @@ class HFError(ValueError):
 # bias map alike, or one parameter; a list is concatenated along the first dim.
 
 GPT2 = {  # GPT2LMHeadModel. Its Conv1D layers store weights transposed: (in, out)
-    "wte": "transformer.wte", "decoder.wpe": "transformer.wpe",
-    "decoder.h.{i}.ln_1": "transformer.h.{i}.ln_1",
+    "wte": "transformer.wte", "decoder.wpe": "transformer.wpe", "decoder.h.{i}.ln_1": "transformer.h.{i}.ln_1",
     "decoder.h.{i}.attn.c_attn": "transformer.h.{i}.attn.c_attn",
     "decoder.h.{i}.attn.c_proj": "transformer.h.{i}.attn.c_proj",
     "decoder.h.{i}.ln_2": "transformer.h.{i}.ln_2",
     "decoder.h.{i}.mlp.c_fc": "transformer.h.{i}.mlp.c_fc",
     "decoder.h.{i}.mlp.c_proj": "transformer.h.{i}.mlp.c_proj",
-    "decoder.ln_f": "transformer.ln_f", "lm_head": "lm_head",
-}
+    "decoder.ln_f": "transformer.ln_f", "lm_head": "lm_head"}
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
 BERT = {  # BertForMaskedLM. Token type 0's embedding is folded into the position table
-    "wte": "bert.embeddings.word_embeddings",
-    "encoder.wpe": "bert.embeddings.position_embeddings",
+    "wte": "bert.embeddings.word_embeddings", "encoder.wpe": "bert.embeddings.position_embeddings",
     "encoder.ln_f": "bert.embeddings.LayerNorm",  # a post-norm stack normalises its input
     "encoder.h.{i}.attn.c_attn": [f"bert.encoder.layer.{{i}}.attention.self.{x}" for x in ("query", "key", "value")],
     "encoder.h.{i}.attn.c_proj": "bert.encoder.layer.{i}.attention.output.dense",
@@ -69,18 +67,15 @@ BERT = {  # BertForMaskedLM. Token type 0's embedding is folded into the positio
     "encoder.h.{i}.mlp.c_proj": "bert.encoder.layer.{i}.output.dense",
     "encoder.h.{i}.ln_2": "bert.encoder.layer.{i}.output.LayerNorm",
     "mlm_head.0": "cls.predictions.transform.dense", "mlm_head.2": "cls.predictions.transform.LayerNorm",
-    "lm_head.weight": "cls.predictions.decoder.weight", "lm_head.bias": "cls.predictions.bias",
-}
+    "lm_head.weight": "cls.predictions.decoder.weight", "lm_head.bias": "cls.predictions.bias"}
 
 LLAMA = {  # LlamaForCausalLM and MistralForCausalLM. HF's q and k are already in RoPE's half-split order
-    "wte": "model.embed_tokens",
-    "decoder.h.{i}.ln_1": "model.layers.{i}.input_layernorm",
+    "wte": "model.embed_tokens", "decoder.h.{i}.ln_1": "model.layers.{i}.input_layernorm",
     "decoder.h.{i}.attn.c_attn": [f"model.layers.{{i}}.self_attn.{x}_proj" for x in "qkv"],
     "decoder.h.{i}.attn.c_proj": "model.layers.{i}.self_attn.o_proj",
     "decoder.h.{i}.ln_2": "model.layers.{i}.post_attention_layernorm",
     "decoder.h.{i}.mlp.c_fc": ["model.layers.{i}.mlp.up_proj", "model.layers.{i}.mlp.gate_proj"],  # up * silu(gate)
-    "decoder.h.{i}.mlp.c_proj": "model.layers.{i}.mlp.down_proj",
-    "decoder.ln_f": "model.norm", "lm_head": "lm_head"}
+    "decoder.h.{i}.mlp.c_proj": "model.layers.{i}.mlp.down_proj", "decoder.ln_f": "model.norm", "lm_head": "lm_head"}
 
 
 def t5_names(gated):
@@ -234,6 +229,7 @@ SHARED = dict(  # every family's rows, but where FIELDS says otherwise
     vocab_size=CARRIED, block_size=CARRIED, n_layer=CARRIED, n_head=CARRIED, n_embd=CARRIED, head_size=CARRIED,
     mlp_hidden=CARRIED, norm_eps=CARRIED, tie_embeddings=CARRIED, dropout=CARRIED,  # eval mode drops nothing
     attn_impl=HARMLESS, zero_init=HARMLESS,  # a kernel for the same attention; where training started
+    score="scaled_dot", patch_size=0, n_classes=0, image_size=HARMLESS, channels=HARMLESS,  # read by images only
     # read only by experts, RoPE, T5's positions, and by the attention kinds and BigBird blocks that rows refuse
     **dict.fromkeys("expert_top_k moe_aux_weight rope_theta rope_scaling rel_buckets rel_max_distance n_features "
                     "feature_redraw proj_len bucket_size n_hashes sparse_block".split(), HARMLESS),
@@ -352,6 +348,8 @@ def from_pretrained(path_or_name, device="cpu", dtype=None):
     in dtype (None: the checkpoint's)."""
     path = local_dir(path_or_name)
     hf = read_json(os.path.join(path, "config.json"), "a Hugging Face model directory holds config.json")
+    if hf.get("model_type") == "vit":  # ViTForImageClassification: hf_vit.py
+        return hf_vit.from_hf(hf, read_tensors(path), dtype).to(device).eval()
     try:
         family, given, scaled = read_config(hf)
     except KeyError as e:
@@ -422,6 +420,8 @@ def load_source(init_from, out_dir="", which="best"):
     except Exception as e:  # HFError, or a file that cannot be read: one line either way
         why = str(e) if isinstance(e, HFError) else f"{init_from} could not be read ({type(e).__name__}: {e})"
         raise UsageError(why.splitlines()[0]) from None
+    if model.config.patch_size:  # a ViT: its classes and its images' normalisation, no tokenizer
+        return model, hf_vit.source(model, path, read_json(os.path.join(path, "config.json"), ""))
     meta = tokenizer_meta(path)
     if meta["tokenizer"] != "hf":  # GPT-2's BPE (tiktoken) or characters, with tokens of ours after them
         meta["vocab_size"] = 50257 if meta["tokenizer"] == "gpt2" else len(meta["vocab"])
@@ -445,8 +445,10 @@ def load_source(init_from, out_dir="", which="best"):
 def save_pretrained(model, path, **hf_config):
     """Write config.json and model.safetensors to path such that transformers' AutoModelForCausalLM (GPT-2, Llama,
     Mistral), AutoModelForMaskedLM (BERT) or AutoModelForSeq2SeqLM (T5) loads the model with the same logits.
-    hf_config: further config.json entries (decoder_start_token_id). Returns the family written."""
+    hf_config: further config.json entries (decoder_start_token_id; a ViT's: meta, hf_vit.save). Returns the family."""
     c = model.config
+    if c.patch_size:  # ViTForImageClassification: hf_vit.py
+        return hf_vit.save(model, path, hf_config.get("meta", {}))
     family = family_of(c)
     if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
         raise HFError("a quantized model (int8, int4) has no Hugging Face layout here: export its float weights")
@@ -497,6 +499,8 @@ def main(argv):
         raise UsageError(f"{d} is not empty: give a new directory (nothing is overwritten)")
     model, ckpt = load_source("resume", cfg.out_dir, cfg.ckpt)
     print(f"hf.py: {describe(ckpt)}")
+    if model.config.patch_size:  # a ViT: no tokenizer; the classes and normalisation of its data (hf_vit.py)
+        return hf_vit.export(model, ckpt["meta"], cfg.hf_dir)
     if cfg.adapter and not (ckpt["train_config"] or {}).get("lora_rank"):
         raise UsageError(f"{cfg.out_dir} is not a LoRA run (lora_rank=0): export it without --adapter")
     if cfg.adapter:  # the weights the adapters apply to: the run's start, which no step moved

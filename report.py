@@ -108,7 +108,8 @@ class Report:
         self.rewrite = True
         self.t0 = time.time() - (self.records[-1]["elapsed"] if self.records else 0)  # elapsed goes on from there
         try:  # the page's samples need the tokenizer; training does not (an offline GPU machine lacks GPT-2's files)
-            self.tokenizer = Tokenizer(run.meta)
+            self.tokenizer = Tokenizer(run.meta) if "tokenizer" in run.meta else \
+                f"(no sample: the model classifies {run.meta.get('kind', 'images')}; sample.py --image does)"
         except UsageError as e:
             self.tokenizer = f"(no sample: {e})"
             print(f"report.html will show no samples: {e}", file=sys.stderr)
@@ -131,7 +132,7 @@ class Report:
 
     def evaluation(self, it, losses):
         """Record an evaluation, then rewrite the page with a greedy sample of the model as it is now."""
-        self.add(it, train_loss=losses["train"], val_loss=losses["val"])
+        self.add(it, train_loss=losses["train"], val_loss=losses["val"], val_acc=losses.get("val_acc"))
         if sharded(self.run.raw_model) or hasattr(self.run.raw_model, "whole_states"):  # (tp, pp: a part of it)
             pieces = [("(none under --fsdp=True, tp or pp, where rank 0 holds a part of the model: sample.py samples "
                        f"{self.run.cfg.out_dir}'s checkpoints)", False)]

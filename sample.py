@@ -9,6 +9,7 @@ Sample from a trained model; the text streams to stdout as it is generated.
     python sample.py --out_dir=out-shakespeare-char --quantize=int4 --attention_page=attn.html
     python sample.py --out_dir=out-shakespeare-char-bert --start="To be, or not to be: [MASK][MASK][MASK][MASK] is the question"
     python sample.py --init_from=gpt2 --start="Hello"          # a Hugging Face model: a directory or a hub name
+    python sample.py --out_dir=out-vit-digits --image=digit.png   # an image classifier: its top classes
 
 A decoder continues the prompt. An encoder (masked LM) fills each [MASK] with one token; an
 encoder-decoder fills each [MASK] with a span of any length (span corruption), or writes it all again (BART).
@@ -31,7 +32,8 @@ import torch
 
 from checkpoint import describe, for_sampling, load_model
 from hf import load_source
-from common import UsageError, check_ranges, parse_settings, read_text_file, usage
+from media import top_classes
+from common import UsageError, check_ranges, parse_settings, read_text_file, renamed, usage
 from device import pick_device, pick_dtype, precision, precision_name, run_script, timed
 from generate import absolute_positions, decode_layout, generate, generate_tokens, speculative_generate
 from model import ATTENTIONS
@@ -65,6 +67,7 @@ class SampleConfig:
     group_size: int = 128  # int4: weights per scale and zero point (32, 64, 128 or 256)
     attention_page: str = ""  # write the first sample's attention weights to this HTML file
     attention_tokens: int = 128  # ...for at most this many (the last) tokens
+    image: str = ""  # an image classifier (ViT): the image (.png, .jpg; audio: .wav) whose 5 likeliest classes to print
 
 
 RENAMED = {"attention": "attention_page"}  # old name: new name; the old one still works, with a notice
@@ -105,16 +108,6 @@ def refusals(cfg, model, draft):
         raise UsageError(f"{model.config.attention} attention has no weights to draw: leave out --attention_page")
 
 
-def renamed(argv):
-    """argv with renamed settings under their new names, each old one named on stderr."""
-    for i, arg in enumerate(argv):
-        old = arg[2:].partition("=")[0]
-        if arg.startswith("--") and old in RENAMED:
-            print(f"sample.py: --{old} is now --{RENAMED[old]}", file=sys.stderr)
-            argv = argv[:i] + [f"--{RENAMED[old]}" + arg[2 + len(old):]] + argv[i + 1:]
-    return argv
-
-
 def int8_on_cuda(cfg, device):
     """cfg without int8 weights on CUDA, saying why: torch has no fused int8 product there, so the layer
     converts its weights at every product and decodes at 0.36x bf16's speed (int4: 1.5x; docs/performance.md)."""
@@ -129,7 +122,7 @@ def main(argv):
     if {"-h", "--help"} & set(argv):
         print(usage(__doc__, SampleConfig))
         return 0
-    cfg = SampleConfig(**parse_settings(renamed(argv), SampleConfig)[0])
+    cfg = SampleConfig(**parse_settings(renamed(argv, RENAMED, "sample.py"), SampleConfig)[0])
     check(cfg)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
@@ -139,6 +132,9 @@ def main(argv):
     model, ckpt = load_source(cfg.init_from, cfg.out_dir, cfg.ckpt)  # a run's checkpoint or a Hugging Face model
     if cfg.init_from == "resume":
         print(f"sample.py: {describe(ckpt)}", file=sys.stderr)
+    if cfg.image or model.config.patch_size:  # an image classifier: its likeliest classes, with probabilities
+        print("\n".join(f"{p:.4f}  {name}" for name, p in top_classes(model.to(device), ckpt["meta"], cfg.image)))
+        return 0
     model, tok = for_sampling(model, ckpt, device, weights, cfg.quantize, cfg.group_size)
     model = decode_layout(model)  # on a CPU, the weights laid out for one token at a time (generate.py)
     prompt = read_prompt(cfg.start)

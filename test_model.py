@@ -684,3 +684,53 @@ def test_a_forward_pass_refuses_what_its_model_does_not_take(tiny_model):
     xl = tiny_model(pos="rope", mem_len=4)
     with pytest.raises(ValueError, match="a memory takes no padding"):
         xl(idx, mems=xl(idx, return_mems=True)[2], mask=torch.ones(1, 4, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------------------------
+# Images: ViT's patches, [CLS] and classification head
+
+VIT = dict(arch="encoder", patch_size=4, image_size=8, channels=3, n_classes=5, block_size=8)
+
+
+def test_a_vit_embeds_patches_as_a_conv2d_of_stride_p_prepends_cls_and_classifies_its_final_state(tiny_model):
+    model = tiny_model(**VIT)
+    images, labels = torch.randn(2, 3, 8, 8), torch.tensor([1, 4])
+    conv = F.conv2d(images, model.wte.weight.view(32, 3, 4, 4), model.wte.bias, stride=4)  # (B, C, 2, 2)
+    captured = {}
+    model.encoder.register_forward_hook(lambda m, args, out: captured.update(x=args[0], out=out))
+    logits, loss = model(images, labels)
+    torch.testing.assert_close(captured["x"][:, 1:], conv.flatten(2).transpose(1, 2), rtol=1e-5, atol=1e-6)
+    assert torch.equal(captured["x"][:, 0], model.cls[0].expand(2, -1))  # [CLS] first, then 4 patches in raster order
+    torch.testing.assert_close(logits, model.lm_head(captured["out"][:, 0]))
+    torch.testing.assert_close(loss, F.cross_entropy(logits, labels))
+    assert logits.shape == (2, 5) and model.mlm_head is None
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(pos="rope", norm="rmsnorm", mlp="swiglu"), dict(attention="linear")])
+def test_a_vit_learns_a_fixed_batch_of_images_with_each_encoders_choices(kw, tiny_model):
+    torch.manual_seed(0)
+    model = tiny_model(**VIT, **kw).train()
+    images, labels = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(60):
+        loss = model(images, labels)[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1
+    assert (model.eval()(images)[0].argmax(-1) == labels).all()
+
+
+@pytest.mark.parametrize("kw", [dict(arch="decoder"), dict(arch="encoder-decoder"), dict(n_classes=0),
+                                dict(image_size=10), dict(block_size=4), dict(patch_size=0)])
+def test_a_vit_is_an_encoder_with_classes_of_whole_patches_or_refused_in_one_line(kw):
+    with pytest.raises(ValueError, match="a ViT .* is an encoder") as refused:
+        ModelConfig(**(VIT | kw))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_vit_refuses_images_of_another_shape_and_token_ids(tiny_model):
+    model = tiny_model(**VIT)
+    for wrong in (torch.randn(2, 1, 8, 8), torch.randn(2, 3, 16, 16), torch.zeros(2, 10, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"not \(B, channels=3, 8, 8\)"):
+            model(wrong)

@@ -118,14 +118,15 @@ class TrainConfig:
 # the values each setting may take, beyond its type (grad_clip=0: no clipping)
 TRAIN_RANGES = dict(backend=("auto", "nccl", "gloo"), optimizer=("adamw", "muon"), muon_lr="[0, inf)",
                     schedule=("cosine", "linear", "wsd"), decay_frac="(0, 1]", objective=("span", "bart"),
-                    lora_rank="[0, inf)", lora_alpha="(0, inf)", lora_dropout="[0, 1)",
-                    muon_momentum="[0, 1)", batch_size="[1, inf)", gradient_accumulation_steps="[1, inf)",
-                    eval_interval="[1, inf)", eval_iters="[1, inf)", log_interval="[1, inf)", max_bad_steps="[1, inf)",
-                    max_iters="[0, inf)", warmup_iters="[0, inf)", lr_decay_iters="[0, inf)", learning_rate="[0, inf)",
-                    min_lr="[0, inf)", weight_decay="[0, inf)", grad_clip="[0, inf)", mean_span="[1, inf)",
-                    seed="[0, inf)", context_parallel="[1, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]",
+                    lora_rank="[0, inf)", lora_alpha="(0, inf)", lora_dropout="[0, 1)", muon_momentum="[0, 1)",
+                    batch_size="[1, inf)", gradient_accumulation_steps="[1, inf)", eval_interval="[1, inf)",
+                    eval_iters="[1, inf)", log_interval="[1, inf)", max_bad_steps="[1, inf)", max_iters="[0, inf)",
+                    warmup_iters="[0, inf)", lr_decay_iters="[0, inf)", learning_rate="[0, inf)", min_lr="[0, inf)",
+                    weight_decay="[0, inf)", grad_clip="[0, inf)", mean_span="[1, inf)", seed="[0, inf)",
+                    context_parallel="[1, inf)", beta1="[0, 1)", beta2="[0, 1)", mask_prob="(0, 1]",
                     noise_density="(0, 1)", keep_checkpoints="[0, inf)", tensor_parallel="[1, inf)",
-                    pipeline_parallel="[1, inf)", pipeline_schedule=("1F1B", "GPipe", "Interleaved1F1B"), zero=(0, 1, 2, 3))
+                    pipeline_parallel="[1, inf)", pipeline_schedule=("1F1B", "GPipe", "Interleaved1F1B"),
+                    zero=(0, 1, 2, 3))
 MASTER = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 logs and writes
 EVAL_NOTICE_S = 5  # an evaluation expected to take longer than this (seconds) says so early on
 STOP = []  # the signals received (SIGINT, SIGTERM): the run saves and stops at the next iteration
@@ -165,9 +166,9 @@ def check_fits(config, cfg, data, device, tokens, ddp):
             (n > 1 and config.block_size % n, f"--context_parallel={n}: block_size={config.block_size} must be a "
              "multiple of it, so that every rank holds as many positions"),
             (n > 1 and (config.arch != "decoder" or config.window or config.pos in ("alibi", "relative") or
-                        config.attention != "softmax" or config.mem_len), "--context_parallel: ring attention is "
-             "exact softmax attention of a decoder (whose shards count equal tokens in the loss), with no window, "
-             "score bias or memory"),
+                        (config.attention, config.score) != ("softmax", "scaled_dot") or config.mem_len),
+             "--context_parallel: ring attention is exact softmax attention (the scaled dot product) of a decoder "
+             "(whose shards count equal tokens in the loss), with no window, score bias or memory"),
             (cfg.objective == "bart" and config.arch != "encoder-decoder", "--objective=bart trains an encoder-decoder "
              "to denoise: set --arch=encoder-decoder, or leave out --objective"),
             (config.mem_len and ddp, "mem_len (Transformer-XL) trains in one process here: the memory of each "
@@ -203,7 +204,7 @@ def batch(run, split, gen, segment):
     (Transformer-XL), segment `segment` of the streams whose starts gen draws."""
     c, cfg = run.raw_model.config, run.cfg
     b = stream_batch(run.data[split], cfg.batch_size, c.block_size, gen, segment) if c.mem_len else \
-        get_batch(run.data[split], c.arch, cfg.batch_size, c.block_size, gen, run.tokens, run.meta["vocab_size"],
+        get_batch(run.data[split], c.arch, cfg.batch_size, c.block_size, gen, run.tokens, run.meta.get("vocab_size"),
                   cfg.mask_prob, cfg.noise_density, cfg.mean_span, cfg.objective)
     pinned = run.device.type == "cuda"  # pinned memory lets the copy overlap with compute (if contiguous)
     b = {k: (v.contiguous().pin_memory() if pinned else v).to(run.device, non_blocking=pinned) for k, v in b.items()}
@@ -212,12 +213,13 @@ def batch(run, split, gen, segment):
 
 @torch.no_grad()
 def evaluate(run, it):
-    """Mean loss over eval_iters batches per split (the same batches at every eval, whatever the mesh:
-    the data-parallel ranks share them out); None if a signal cuts it short (the resumed run evaluates
-    again). One that will take more than a few seconds says so after its second batch."""
+    """Mean loss over eval_iters batches per split, the same at every eval whatever the mesh (the dp ranks
+    share them out), and an image classifier's val_acc; None if a signal cuts it short (the resumed run
+    evaluates again). One that will take more than a few seconds says so after its second batch."""
     run.model.eval()
     out, t0, stream = {}, time.time(), bool(run.raw_model.config.mem_len)  # streams: eval_iters segments on
     (pp, dp, cp, tp), d = mesh_shape(run.cfg, run.world), coordinates(run.cfg, run.rank, run.world)["dp"]
+    right = torch.zeros((), device=run.device) if run.raw_model.config.n_classes else None  # val's right answers
     for split in ("train", "val"):
         losses, mems = torch.zeros(run.cfg.eval_iters, device=run.device), {}
         for k in range(d, run.cfg.eval_iters, dp):
@@ -225,7 +227,7 @@ def evaluate(run, it):
                 run.model.train()
                 return None
             gen = eval_rng(run.cfg.seed, split == "val", 0, STREAM if stream else k)
-            losses[k] = forward(run, batch(run, split, gen, k), mems)
+            losses[k] = forward(run, batch(run, split, gen, k), mems, right=right if split == "val" else None)
             if split == "train" and k < 2 * dp:  # timed by its second batch: the first pays for warming up
                 sync(run.device)
                 now = time.time()
@@ -233,6 +235,8 @@ def evaluate(run, it):
                     log(f"step {it}: evaluating {2 * run.cfg.eval_iters} batches per rank, about {eta:.0f} s")
                 t0 = now
         out[split] = all_ranks(losses.mean()).item() / (cp * tp)  # each batch's loss: cp shards, tp copies
+    if right is not None:  # (an image model trains data-parallel only: parallel.problems)
+        out["val_acc"] = all_ranks(right).item() / (run.cfg.eval_iters * run.cfg.batch_size)
     run.model.train()
     return out
 
@@ -266,12 +270,15 @@ def save(run, path, iter_num, **progress):
     return True
 
 
-def forward(run, b, mems, key=0):
+def forward(run, b, mems, key=0, right=None):
     """The loss of batch b; with a memory (Transformer-XL), the segment after the one that left
-    mems[key] (each layer's memory), which it replaces."""
+    mems[key] (each layer's memory), which it replaces. right: an image classifier's right answers add to it."""
     with run.autocast:
         if not run.raw_model.config.mem_len:
-            return run.model(**b)[1]
+            logits, loss = run.model(**b)
+            if right is not None:
+                right += (logits.argmax(-1) == b["targets"]).sum()
+            return loss
         _, loss, mems[key] = run.model(**b, mems=mems.get(key), return_mems=True)
         return loss
 
@@ -324,14 +331,8 @@ def train(cfg, model_args, held, given=()):
     # distributed: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
     ddp = "RANK" in os.environ
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")) if ddp else (0, 0, 1)
-    device = pick_device(cfg.device)
-    if ddp and device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+    device = pick_device(cfg.device, local_rank if ddp else None)
     check_mesh(cfg, world) if ddp else None  # (without torchrun: check_fits says to use it)
-    if cfg.gradient_accumulation_steps % (dp := mesh_shape(cfg, world)[1]):
-        raise UsageError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
-                         f"the {world} processes' {dp} data-parallel groups: make it a multiple of {dp}")
     dtype = pick_dtype(cfg.dtype, device)
     if device.type == "cuda":  # fp32 products on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -349,7 +350,8 @@ def train(cfg, model_args, held, given=()):
     if changed:  # as in nanoGPT the training settings come from the command line: say which differ
         log("resuming with training settings changed from the checkpoint's: " + ", ".join(changed))
     # the objectives' own tokens: a mask, a decoder start, sentinels, (BART) the ends of sentences it permutes
-    tokens = (ckpt["tokens"] if ckpt else special_tokens(meta["vocab_size"])) | sentence_ends(meta, cfg.objective)
+    tokens = ckpt["tokens"] if ckpt else special_tokens(meta.get("vocab_size", 0))  # (images: unused)
+    tokens = tokens | sentence_ends(meta, cfg.objective)
     check_fits(config, cfg, data, device, tokens, ddp)
     if ddp:  # only now: a bad setting above stops every rank at once, before any waits for the others
         join_ranks(cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo")
@@ -371,7 +373,8 @@ def train(cfg, model_args, held, given=()):
             return 0
     del ckpt
     compiled = torch.compile(model) if cfg.compile else model
-    if ddp and not sharded(model) and mesh_shape(cfg, world)[::3] == (1, 1):  # experts a batch does not route to get no gradient, which DDP must be told
+    # experts that a batch does not route to get no gradient, which DDP must be told
+    if ddp and not sharded(model) and mesh_shape(cfg, world)[::3] == (1, 1):
         compiled = DDP(compiled, device_ids=[local_rank] if device.type == "cuda" else None,
                        find_unused_parameters=config.n_expert > 0)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
@@ -403,9 +406,8 @@ def build_model(cfg, config, ckpt, device, rank):
 
 
 def start_line(run, dtype):
-    """Log what trains where; returns the tokens per iteration and a function from seconds per
-    iteration to the MFU (None without a peak to measure it against). A GPU's peak comes from its spec sheet (or a large
-    matmul); a CPU gets no MFU: its measured peak moves with the machine's other load."""
+    """Log what trains where; returns the tokens per iteration and seconds per iteration -> MFU (None without a
+    peak: a GPU's is its spec sheet's, or a large matmul's; a CPU's would move with the machine's other load)."""
     c, device = run.raw_model.config, run.device
     tokens_per_iter = run.cfg.gradient_accumulation_steps * run.cfg.batch_size * c.block_size
     flops_per_iter = run.raw_model.flops_per_token(c.block_size) * tokens_per_iter / run.world
@@ -429,7 +431,8 @@ def record_evaluation(run, it, losses, progress, saved_at, report):
     then hand it to the report; returns the iteration that ckpt.pt holds."""
     cfg, (ckpt_path, best_path) = run.cfg, checkpoint_paths(run.cfg.out_dir)
     progress.update(evaluated_at=it, val_loss=losses["val"])
-    log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+    acc = f", val acc {losses['val_acc']:.4f}" if "val_acc" in losses else ""  # an image classifier's
+    log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{acc} "
         f"({time.time() - START:.1f} s since start)")
     if not math.isfinite(losses["val"]):
         log(f"the val loss is not finite: no checkpoint written ({holds(ckpt_path, saved_at)})")

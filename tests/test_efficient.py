@@ -153,7 +153,8 @@ def test_each_kind_of_attention_is_what_its_row_in_the_table_says(name, tiny_mod
     kind, kw = ATTENTIONS[name], dict(attention=name, **KIND_SETTINGS.get(name, {}))
     for ok, more in [(kind.causal, dict(arch="decoder")), (kind.bidirectional, dict(arch="encoder")),
                      (kind.bias, dict(pos="alibi")), (kind.bias, dict(pos="relative")), (kind.window, dict(window=4)),
-                     (kind.window, dict(window=4, n_global=1)), (kind.kernel, dict(attn_impl="triton"))]:
+                     (kind.window, dict(window=4, n_global=1)), (kind.kernel, dict(attn_impl="triton")),
+                     (kind.scores, dict(score="general"))]:
         more = dict(arch="decoder" if kind.causal else "encoder") | more
         if ok:
             ModelConfig(block_size=32, **kw, **more)

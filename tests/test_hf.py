@@ -361,6 +361,7 @@ OTHER = {  # for each ModelConfig field, values other than the families' own (th
     "bias": (False, True),
     "dropout": (0.1,), "tie_embeddings": (False, True), "lm_head_bias": (True, False), "qk_norm": (True,),
     "logit_softcap": (15.0,), "zero_init": (True,), "attn_impl": ("math", "sdpa"),
+    "score": ("dot", "scaled_dot"), "patch_size": (4,), "image_size": (16,), "channels": (1,), "n_classes": (5,),
 }
 BASES = {"gpt2": "gpt2", "bert": "bert", "t5": "t5-v1.0", "llama": "llama-gqa-untied", "mistral": "mistral-window-8"}
 
@@ -649,3 +650,72 @@ def test_a_gpt2_export_has_the_keys_llama_cpps_converter_reads(tmp_path):
     assert {k: config[k] for k in ("n_layer", "n_ctx", "n_embd", "n_head", "layer_norm_epsilon")} == dict(
         n_layer=2, n_ctx=32, n_embd=16, n_head=2, layer_norm_epsilon=model.config.norm_eps)
     assert config["n_inner"] in (None, 4 * 16)
+
+
+# ----------------------------------------------------------------------------------------------
+# ViTForImageClassification (hf_vit.py)
+
+def hf_vit(hidden_act="gelu"):
+    """A tiny random ViTForImageClassification: 8x8 RGB images in 4x4 patches, 5 labels, 2 layers of width 64."""
+    config = transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                    image_size=8, patch_size=4, num_channels=3, num_labels=5, hidden_act=hidden_act,
+                                    id2label={i: f"class{i}" for i in range(5)})
+    m = transformers.ViTForImageClassification(config)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(p.numel()))
+    return m.eval()
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh"])
+def test_a_vit_reads_with_transformers_logits(act, tmp_path):
+    theirs = hf_vit(act)
+    theirs.save_pretrained(tmp_path)
+    ours = hf.from_pretrained(tmp_path)
+    c = ours.config
+    assert (c.arch, c.patch_size, c.image_size, c.channels, c.n_classes, c.block_size) == ("encoder", 4, 8, 3, 5, 5)
+    images = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(images)[0], theirs(pixel_values=images).logits, atol=1e-4, rtol=0)
+    model, source = hf.load_source(str(tmp_path))
+    assert source["meta"]["classes"] == [f"class{i}" for i in range(5)]
+    assert source["meta"]["normalize"] == dict(mean=[0.5] * 3, std=[0.5] * 3)  # no preprocessor_config.json: ViT's
+
+
+def test_a_vit_export_loads_in_transformers_with_our_logits_normalises_as_its_processor_and_reads_back(
+        tmp_path, tiny_model, in_process, capsys):
+    from PIL import Image
+    from media import example
+    ours = randomize(tiny_model(arch="encoder", patch_size=4, image_size=8, channels=3, n_classes=3, block_size=12,
+                                gelu_approximate="none"))
+    meta = dict(kind="images", classes=["cat", "dog", "owl"], normalize=dict(mean=0.5, std=0.5), shape=[3, 8, 8])
+    assert hf.save_pretrained(ours, tmp_path / "vit", meta=meta) == "vit"
+    theirs = transformers.ViTForImageClassification.from_pretrained(tmp_path / "vit").eval()
+    assert theirs.config.id2label == {0: "cat", 1: "dog", 2: "owl"}
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (11, 9, 3), dtype=np.uint8)).save(tmp_path / "x.png")
+    processor = transformers.ViTImageProcessor.from_pretrained(tmp_path / "vit")
+    pixels = processor(Image.open(tmp_path / "x.png"), return_tensors="pt").pixel_values  # resized, rescaled, normalised
+    mine = torch.from_numpy(example(str(tmp_path / "x.png"), meta))[None]
+    torch.testing.assert_close(mine, pixels, atol=2 / 255 / 0.5, rtol=0)  # the same up to a rounding of the resize
+    with torch.no_grad():
+        torch.testing.assert_close(ours(pixels)[0], theirs(pixel_values=pixels).logits, atol=1e-4, rtol=0)
+    back = hf.from_pretrained(tmp_path / "vit")
+    assert all(torch.equal(v, ours.state_dict()[k][: len(v)]) for k, v in back.state_dict().items())
+    capsys.readouterr()
+    assert in_process(sample.main, [f"--init_from={tmp_path / 'vit'}", f"--image={tmp_path / 'x.png'}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    probs = ours(mine)[0].softmax(-1)[0]
+    assert lines[0].split() == [f"{probs.max():.4f}", meta["classes"][probs.argmax()]] and len(lines) == 3
+
+
+def test_a_vit_with_what_transformers_has_no_place_for_is_refused_in_one_line(tmp_path, tiny_model):
+    vit = dict(arch="encoder", patch_size=4, image_size=8, channels=3, n_classes=3, block_size=12)
+    for kw, words in [(dict(pos="rope"), "pos='learned'"), (dict(bias=False), "biases"), (dict(score="dot"), "softmax")]:
+        with pytest.raises(common.UsageError, match=words) as e:
+            hf.save_pretrained(tiny_model(**vit, **kw), tmp_path / "no")
+        assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "no")
+    theirs = hf_vit()
+    theirs.config.qkv_bias = False
+    theirs.save_pretrained(tmp_path / "nobias")
+    with pytest.raises(ValueError, match="qkv_bias=False"):
+        hf.from_pretrained(tmp_path / "nobias")
