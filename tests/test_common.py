@@ -128,3 +128,11 @@ def test_at_most_one_test_in_twenty_is_marked_slow(request):
         pytest.skip("a run of part of the suite: the share of slow tests is the whole suite's")
     slow = [item.nodeid for item in items if item.get_closest_marker("slow")]
     assert 20 * len(slow) <= len(items), (len(slow), len(items))
+
+
+def test_the_readme_names_every_tool():
+    """README's Files table lists every script under tools/ (a forker finds them there)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    tools = sorted(f for f in os.listdir(os.path.join(root, "tools")) if f.endswith((".py", ".sh")))
+    assert tools and [f for f in tools if f"`tools/{f}`" not in readme] == []
