@@ -82,9 +82,8 @@ def assert_matches_one_process(results, seed, causal):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-def test_ring_attention_equals_one_process_attention(world, causal, tmp_path):
+@pytest.mark.parametrize("world, causal", [(4, True), (2, False)], ids=["causal-4", "bidirectional-2"])  # (the
+def test_ring_attention_equals_one_process_attention(world, causal, tmp_path):  # others: left out for time)
     assert_matches_one_process(launch(world, tmp_path, causal), seed=0, causal=causal)
 
 
