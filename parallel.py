@@ -69,11 +69,11 @@ def coordinates(cfg, rank, world):
 def check_mesh(cfg, world):
     """A world that is not the product of the mesh's sizes, or micro-steps that its data-parallel groups
     cannot share out, refused in one line."""
-    pp, _, cp, tp = mesh_shape(cfg, world)
+    pp, dp, cp, tp = mesh_shape(cfg, world)
     if world % (pp * cp * tp):
         raise UsageError(f"{world} processes do not make a mesh of pipeline_parallel={pp} x context_parallel={cp} x "
                          f"tensor_parallel={tp} x data parallel: the world size must be a multiple of {pp * cp * tp}")
-    if cfg.gradient_accumulation_steps % (dp := mesh_shape(cfg, world)[1]):
+    if cfg.gradient_accumulation_steps % dp:
         raise UsageError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
                          f"the {world} processes' {dp} data-parallel groups: make it a multiple of {dp}")
 
