@@ -39,7 +39,7 @@ TINY = ["--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_siz
 # `-n 2 --dist loadfile` hands each file whole to one of the two workers, by default the files of
 # most tests first; a file of few but long tests handed out last runs alone at the end while the
 # other worker idles. So the files that take longest go first, in this order, the rest after them.
-LONGEST_FIRST = ["test_kernels.py", "test_train.py", "test_generate.py", "test_distributed.py", "test_checkpoint.py"]
+LONGEST_FIRST = ["test_parallel.py", "test_kernels.py", "test_train.py", "test_generate.py", "test_distributed.py", "test_checkpoint.py"]
 
 
 def pytest_configure(config):
@@ -271,6 +271,26 @@ def start():
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL) if group else p.kill()
             p.communicate()
+
+
+def child_pids(pid):
+    """Process ids whose parent is pid (from /proc): the ranks of a torchrun, which runs each in a
+    session of its own (a signal to torchrun's group does not reach them)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+@pytest.fixture(scope="session")
+def children():
+    return child_pids
 
 
 @pytest.fixture(scope="session")

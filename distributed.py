@@ -16,6 +16,7 @@ writes, so sample.py, a one-process run and DDP read them as they read any other
 """
 
 import os
+import sys
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -25,14 +26,14 @@ import torch.distributed as dist
 from common import UsageError, check_ranges, parse_settings
 from model import ModelConfig, Transformer
 
-try:  # FSDP2 and DTensor, public since torch 2.6
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_optimizer_state_dict)
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    from torch.distributed.tensor import DTensor, Replicate
-except ImportError:
-    fully_shard = None
-    FSDPModule = DTensor = ()  # an isinstance() against () is always False: nothing is sharded
+# FSDP2 and DTensor, public since torch 2.6, are imported where a run uses them: they take over a second to
+# import, which a run on one process, sample.py and eval.py need not pay. Until they are, nothing is sharded.
+FSDP2 = torch.__version__ >= "2.6"
+
+
+def loaded(module, name):
+    """module.name if something imported module, else () (an isinstance against () is always False)."""
+    return getattr(sys.modules.get(module), name, ())
 
 
 def all_ranks(x, op=dist.ReduceOp.SUM, group=None):
@@ -78,24 +79,25 @@ def context_line(config, n, batch_size, dtype):
 
 
 def sharded(model):
-    return isinstance(model, FSDPModule)
+    return isinstance(model, loaded("torch.distributed.fsdp", "FSDPModule"))
 
 
 def local(t):
     """This rank's part of t: its slice of a sharded tensor, or t itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, loaded("torch.distributed.tensor", "DTensor")) else t
 
 
 def whole(t):
     """t whole on every rank: a sharded tensor gathered (every rank must ask), or t itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if isinstance(t, loaded("torch.distributed.tensor", "DTensor")) else t
 
 
 def slice_like(t, like):
     """The slice of t (whole, the same on every rank) that this rank holds of like; t itself if
     like is not sharded. No communication: each rank cuts out its own."""
-    if not isinstance(like, DTensor):
+    if not isinstance(like, loaded("torch.distributed.tensor", "DTensor")):
         return t
+    from torch.distributed.tensor import DTensor, Replicate
     mesh = like.device_mesh
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, like.placements)
 
@@ -117,6 +119,7 @@ def state_dicts(model, optimizer):
         return (model.state_dict(), optimizer.state_dict()) if dist.get_rank() == 0 else (None, None)
     if not sharded(model):
         return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
     # before the first step the state holds no tensors; DCP would create them by a step with zero
@@ -140,6 +143,7 @@ def load_optimizer_state(model, optimizer, state):
         return model.load_part_state(optimizer, state)
     if not sharded(model) or not state["state"]:  # (no state yet: nothing to slice, and see state_dicts)
         return optimizer.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     name = {p: n for n, p in model.named_parameters()}
     names = [name[p] for g in optimizer.param_groups for p in g["params"]]
     named = dict(state={names[i]: s for i, s in state["state"].items()},

@@ -32,21 +32,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import UsageError
-from distributed import all_ranks, local, slice_like, split_layers, whole, zero_stage
+from distributed import FSDP2, all_ranks, local, slice_like, split_layers, whole, zero_stage
 from model import ATTENTIONS, Transformer
 
-try:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
-    SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B}
-except ImportError:  # an old torch: the schemes are refused (problems)
-    SCHEDULES, DTensor = {}, ()
+from torch.distributed.device_mesh import init_device_mesh
+
+# torch's FSDP2, tensor parallel and pipelining are imported in the functions that use them, not here:
+# they take over a second to import, which a run on one process (and sample.py) need not pay.
 
 DIMS = ("pp", "dp", "cp", "tp")
 
@@ -87,7 +79,7 @@ def problems(config, cfg, world, ddp):
     return [
         ((tp > 1 or pp > 1 or zero) and not ddp, "--tensor_parallel, --pipeline_parallel and --zero split the work "
          "over the processes that torchrun starts: run torchrun --standalone --nproc_per_node=N train.py ..."),
-        ((tp > 1 or pp > 1 or zero) and not SCHEDULES, f"this torch ({torch.__version__}) has no DeviceMesh, "
+        ((tp > 1 or pp > 1 or zero) and not FSDP2, f"this torch ({torch.__version__}) has no DeviceMesh, "
          "DTensor or pipelining: upgrade torch (2.6 or later)"),
         (cfg.fsdp and cfg.zero not in (0, 3), f"--fsdp=True is --zero=3; it cannot also be --zero={cfg.zero}"),
         (tp > 1 and (config.n_head % tp or config.n_kv_head % tp), f"--tensor_parallel={tp} splits attention by "
@@ -147,6 +139,8 @@ def interleave(t, sizes, n, undo=False):
 def tensor_parallel(model, mesh):
     """Split model (a decoder, or a pipeline stage's copy of one) over the 1-D mesh, in place: Megatron's
     plan with sequence parallel. The fused layers are reordered first (interleave)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
     n = mesh.size()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -226,6 +220,7 @@ class Pipeline(nn.Module):
     `step` trains on a list of micro-batches, a call evaluates one batch."""
 
     def __init__(self, model, mesh, cfg, device, dtype, accum):
+        from torch.distributed import pipelining
         super().__init__()
         pp, rank, self.config = mesh["pp"].size(), mesh["pp"].get_local_rank(), model.config
         v = 2 if cfg.pipeline_schedule == "Interleaved1F1B" else 1
@@ -243,12 +238,12 @@ class Pipeline(nn.Module):
         for s in self.stages if mesh["dp"].size() > 1 else ():  # each stage's data parallel: FSDP2, ZeRO-2 unless 3
             shard(s, mesh["dp"], dtype, reshard=cfg.zero == 3 or cfg.fsdp)  # (the stage the root: PipelineStage
             # then syncs the gradients on the last micro-step only)
-        train = [PipelineStage(m, s, pp * v, device, group=group) for m, s in zip(self.stages, ids)]
-        evals = [PipelineStage(m, s, pp * v, device, group=group) for m, s in zip(self.stages, ids)]
-        kind = SCHEDULES[cfg.pipeline_schedule]
+        train, evals = ([pipelining.PipelineStage(m, s, pp * v, device, group=group) for m, s in zip(self.stages, ids)]
+                        for _ in range(2))
+        kind = getattr(pipelining, "Schedule" + cfg.pipeline_schedule)
         self.schedule = kind(train if v > 1 else train[0], n_microbatches=accum, loss_fn=loss_fn)
-        self.evaluator = ScheduleLoopedBFS(evals, 1, loss_fn=loss_fn) if v > 1 else \
-            ScheduleGPipe(evals[0], 1, loss_fn=loss_fn)
+        self.evaluator = pipelining.schedules.ScheduleLoopedBFS(evals, 1, loss_fn=loss_fn) if v > 1 else \
+            pipelining.ScheduleGPipe(evals[0], 1, loss_fn=loss_fn)
         tied = model.config.tie_embeddings
         self.tied = [s.model.wte.weight if s.first else s.model.lm_head.weight for s in self.stages
                      if tied and (s.first or s.last)]
@@ -300,6 +295,7 @@ class Pipeline(nn.Module):
 def shard(model, mesh, dtype, reshard=True):
     """FSDP2 over mesh in place (ZeRO-3; reshard=False: ZeRO-2, the weights gathered once a step and kept
     from the forward pass to the backward): each block of each stack is a unit, the rest the root's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # in bf16/fp16 the weights are gathered in that dtype (half the bytes) and the gradients reduced in fp32;
     # autocast stays on around the model (train.py), keeping norms, softmax and the loss in fp32 as in one process
     mixed = MixedPrecisionPolicy(**(dict(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -340,10 +336,12 @@ def zero_one(optimizer, cfg, mesh):
     """--zero=1: AdamW whose state each data-parallel rank keeps for its share of the parameters."""
     if cfg.zero != 1:
         return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     groups = [{k: v for k, v in g.items() if k in ("params", "weight_decay", "base_lr", "lr")}
               for g in optimizer.param_groups]
     return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=mesh["dp"].get_group(),
-                                   lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+                                   lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                                   fused=optimizer.defaults.get("fused"))  # as one process: its checkpoint's too
 
 
 def clip_grad_norm(model, max_norm):
@@ -355,7 +353,7 @@ def clip_grad_norm(model, max_norm):
     params = [p for p in raw.parameters() if p.grad is not None]
     skip = getattr(raw, "skip_norm", set())
     norm = torch.nn.utils.get_total_norm([p.grad for p in params if id(p) not in skip])
-    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norm = whole(norm)
     if isinstance(raw, Pipeline):
         norm = all_ranks(norm ** 2, group=raw.group) ** 0.5
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)

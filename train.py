@@ -43,7 +43,7 @@ from common import UsageError, check_ranges, parse_settings, usage
 from data import (STREAM, batch_rng, check_data, eval_rng, get_batch, load_data, sentence_ends, special_tokens,
                   stream_batch)
 from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, sync
-from distributed import (all_ranks, context_line, context_shard, finite, fully_shard, join_ranks, memory_line, sharded,
+from distributed import (FSDP2, all_ranks, context_line, context_shard, finite, join_ranks, memory_line, sharded,
                          state_dicts)
 from parallel import Pipeline, check_mesh, coordinates, make_mesh, mesh_line, mesh_shape, parallelize, problems, zero_one
 from model import ModelConfig, Transformer
@@ -159,7 +159,7 @@ def check_fits(config, cfg, data, device, tokens, ddp):
     for wrong, problem in [  # --fsdp and --context_parallel: what they need
             (cfg.fsdp and not ddp, "--fsdp=True shards the model over the processes that torchrun starts: run "
              "torchrun --standalone --nproc_per_node=N train.py ... --fsdp=True"),
-            (cfg.fsdp and fully_shard is None, f"--fsdp=True needs FSDP2 (torch.distributed.fsdp.fully_shard, torch "
+            (cfg.fsdp and not FSDP2, f"--fsdp=True needs FSDP2 (torch.distributed.fsdp.fully_shard, torch "
              f"2.6 or later); this torch is {torch.__version__}: upgrade torch, or train under DDP without --fsdp"),
             (n > 1 and (not ddp or world % n or cfg.fsdp), f"--context_parallel={n} splits each sequence over n of "
              "the processes torchrun starts, under DDP: run torchrun with a multiple of n processes, without --fsdp"),

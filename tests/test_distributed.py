@@ -164,7 +164,7 @@ def test_fsdp_is_refused_in_one_line_where_it_cannot_run(workdir, run, one_line_
                    "--fsdp=True shards the model over the processes that torchrun starts")
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2").items():  # as torchrun starts rank 0 of 2
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(train, "fully_shard", None)  # a torch without FSDP2
+    monkeypatch.setattr(train, "FSDP2", False)  # a torch without FSDP2
     refusal(train.main, args(tiny_args, "--out_dir=out-old-torch", "--fsdp=True"), "--fsdp=True needs FSDP2",
             "upgrade torch, or train under DDP without --fsdp", cwd=d)
     assert not list(d.glob("out-no-torchrun")) and not list(d.glob("out-old-torch"))

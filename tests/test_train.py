@@ -484,8 +484,10 @@ def test_two_process_torchrun_on_cpu_trains_ranks_agree_and_ends_with_the_parame
     assert code == 0, err
     assert "on 2 x cpu" in log and len(losses(log)) == 4
     assert "ranks agree: max parameter difference 0" in log
-    # the same global batch in one process: the same parameters
+    # the same global batch in one process: the same logged losses (the mean over the ranks) and parameters
+    capsys.readouterr()
     assert in_process(train.main, ["--out_dir=out-one", *args], cwd=d) == 0
+    assert losses(capsys.readouterr().out) == pytest.approx(losses(log), abs=1e-4)
     a = torch.load(d / "out-one" / "ckpt.pt", weights_only=True)["model"]
     b = torch.load(d / "out-ddp" / "ckpt.pt", weights_only=True)["model"]
     for k in a:
@@ -508,23 +510,9 @@ def test_under_torchrun_a_bad_setting_is_reported_once(workdir, run, tiny_args):
     assert code != 0 and err.count("train.py: error: unknown setting 'batchsize': did you mean --batch_size?") == 1
 
 
-def children(pid):
-    """Process ids whose parent is pid (from /proc)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
-def test_a_crashed_rank_makes_the_others_exit_instead_of_hanging(workdir, start, wait_for, tiny_args):
+def test_a_crashed_rank_makes_the_others_exit_instead_of_hanging(workdir, start, wait_for, children, tiny_args):
     d, _ = workdir
     p = start(TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "train.py"), "--dataset=verse",
               "--out_dir=out-crash", "--max_iters=1000000", "--eval_interval=1000000",
@@ -538,7 +526,7 @@ def test_a_crashed_rank_makes_the_others_exit_instead_of_hanging(workdir, start,
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
 def test_torchrun_max_restarts_with_init_from_auto_survives_a_killed_rank_and_ends_as_a_run_never_killed(
-        workdir, run, start, wait_for, tiny_args):
+        workdir, run, start, wait_for, children, tiny_args):
     """A night's run: one of the two ranks dies (SIGKILL) after a checkpoint, with iterations trained past
     it; torchrun starts both again, they resume from ckpt.pt, and the run ends with the weights, the
     kept checkpoints and the metrics of the same run never killed (both under torchrun: bit for bit)."""
