@@ -44,15 +44,9 @@ from generate import cache_size, decode, decode_layout, generate, piece_size, sl
 from optim import make_optimizer, optimizer_step
 from train import TRAIN_RANGES, TrainConfig
 from model import KVCache, ModelConfig, Transformer, attn_impl, autocast_dtype
-from quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from quantize import QUANTIZED, quantize_int4, quantize_int8, quantize_int8_dynamic
 from sample import SampleConfig, load_draft
 from study import FamilyConfig, ScalingConfig, family, scaling
-
-try:
-    import triton
-except ImportError:  # e.g. a CPU-only torch: the benchmarks that need Triton say so
-    triton = None
-
 
 # ----------------------------------------------------------------------------------------------
 # Training: python bench.py train configs/shakespeare_char_cpu.py [--key=value ...]
@@ -182,7 +176,7 @@ def read_rate(device, gib=1, reps=5):
 def bytes_per_token(model):
     """What decoding one token reads at batch 1: every weight of the Linear layers (the lm_head
     included, tied or not) and of the norms, once (an embedding's one row is left out)."""
-    kinds = (torch.nn.Linear, Int8Linear, Int4Linear, torch.nn.LayerNorm, torch.nn.RMSNorm)
+    kinds = (torch.nn.Linear, *QUANTIZED, torch.nn.LayerNorm, torch.nn.RMSNorm)
     return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, kinds)
                for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
 
@@ -229,7 +223,8 @@ def decode_speed(config, device, dtype, compile=False, batch=1, new=256, prompt=
     weights, autocast = precision(dtype, device)  # as sample.py samples
     model = Transformer(config).eval()
     quantized = {"int8": quantize_int8(copy.deepcopy(model)).to(device, weights),  # from the fp32 weights, as
-                 "int4": quantize_int4(copy.deepcopy(model).to(device)).to(dtype=weights)}  # sample.py does
+                 "int4": quantize_int4(copy.deepcopy(model).to(device)).to(dtype=weights),  # sample.py does
+                 **({"int8-dynamic": quantize_int8_dynamic(copy.deepcopy(model))} if device.type == "cpu" else {})}
     twin = hf_twin(model, device, weights)
     model = model.to(device, weights)
     decoders = {"nanoformer": model} | {f"nanoformer, {q}": m for q, m in quantized.items()}
@@ -260,14 +255,16 @@ def decode_speed(config, device, dtype, compile=False, batch=1, new=256, prompt=
               f"{'the same' if same else 'OTHER'} tokens")
     print(f"{'decoder':<33} | {'tokens/s':>8} | {'vs transformers':>15} | {'bytes/step':>11} | {'of the bound':>12}")
     for name, ts in times.items():
-        m = next((q for k, q in quantized.items() if f", {k}" in name), model)
+        m = next((q for k, q in quantized.items() if name.split(", ")[1:2] == [k]), model)
         tps, read = batch * new / min(ts), bytes_per_token(m)  # the weights are read once a step
         ratio = f"{min(times['transformers']) / min(ts):.2f}x" if twin is not None else "-"
         print(f"{name:<33} | {tps:>8.1f} | {ratio:>15} | {read / 1e6:>8.1f} MB | {tps / batch * read / rate:>12.0%}")
     with torch.no_grad(), autocast:
         full = model(idx)[0].float()
         error = {q: ((full - m(idx)[0].float()).abs().max() / full.abs().max()).item() for q, m in quantized.items()}
-    print("max |logit difference| / max |logit|: " + ", ".join(f"{q} {e:.4f}" for q, e in error.items()))
+    same = {q: (outputs[f"nanoformer, {q}"] == outputs["nanoformer"])[:, prompt:].float().mean() for q in quantized}
+    print("max |logit difference| / max |logit|: " + ", ".join(f"{q} {e:.4f}" for q, e in error.items()) +
+          f"; greedy tokens equal to fp32's, of {new}: " + ", ".join(f"{q} {s:.1%}" for q, s in same.items()))
 
 
 def speculative_speed(cfg, device, dtype, rounds=3):
@@ -306,11 +303,12 @@ def speculative_speed(cfg, device, dtype, rounds=3):
 
 @torch.no_grad()
 def quantized_quality(out_dir, device, n_batches=50):
-    """What int8 and int4 weights (groups of 32 and 128) cost a trained model: its loss on the same
+    """What int8 and int4 weights (groups of 32 and 128), and W8A8 on a CPU, cost a trained model: its loss on the same
     validation batches in fp32 and quantized (as sample.py loads each), and the largest logit difference."""
+    kinds = [("fp32", "", 128), ("int8", "int8", 128), ("int4, groups of 32", "int4", 32),
+             ("int4, groups of 128", "int4", 128)]
     models = {name: load_model(out_dir, device, quantize=q, which="latest", group_size=g)
-              for name, q, g in (("fp32", "", 128), ("int8", "int8", 128), ("int4, groups of 32", "int4", 32),
-                                 ("int4, groups of 128", "int4", 128))}
+              for name, q, g in kinds + [("int8-dynamic (W8A8)", "int8-dynamic", 128)] * (device.type == "cpu")}
     cfg, meta, c, tokens = (models["fp32"][2][k] for k in ("train_config", "meta", "model_config", "tokens"))
     data = np.memmap(os.path.join(cfg["data_dir"], cfg["dataset"], "val.bin"), dtype=meta["dtype"], mode="r")
     loss, rel = dict.fromkeys(models, 0.0), dict.fromkeys(models, 0.0)
@@ -432,7 +430,7 @@ def attention(argv):
     methods = {"triton": _triton, "sdpa": _sdpa, "sdpa-flash": _sdpa_flash}
     if not cfg.no_math:
         methods["math"] = _math_attention
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | {cfg.dtype}")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {kernels.triton.__version__} | {cfg.dtype}")
     print(f"B * T = {cfg.tokens} tokens, H * D = {cfg.width}. TFLOP/s: forward 4·B·H·T²·D (half that when "
           f"causal), forward+backward 3.5x the forward.\nMiB: peak memory above the inputs during forward+backward. "
           f"err: max |triton - sdpa-flash| of the forward output.")

@@ -20,7 +20,7 @@ from distributed import load_optimizer_state
 from data import new_model_config
 from lora import merged_state
 from model import ModelConfig, Transformer
-from quantize import quantize_int4, quantize_int8
+from quantize import quantize_int4, quantize_int8, quantize_int8_dynamic
 from tokenizer import Tokenizer
 
 
@@ -256,7 +256,8 @@ def describe(ckpt):
 
 def for_sampling(model, ckpt, device, dtype=torch.float32, quantize="", group_size=128):
     """model in eval mode on device, its weights in dtype (its Linear layers in int8 with
-    quantize="int8", in int4 in groups of group_size with "int4"), and the tokenizer its checkpoint
+    quantize="int8", in int4 in groups of group_size with "int4", int8 activations too with
+    "int8-dynamic"), and the tokenizer its checkpoint
     names. A model trained through the Triton kernel on a GPU runs the same attention through SDPA
     elsewhere (model.attn_impl)."""
     if quantize == "int8":
@@ -264,6 +265,8 @@ def for_sampling(model, ckpt, device, dtype=torch.float32, quantize="", group_si
     model = model.to(device)
     if quantize == "int4":  # packed in the layout of device's kernel, from the fp32 weights
         quantize_int4(model, group_size)
+    if quantize == "int8-dynamic":  # W8A8 (a CPU's kernel)
+        quantize_int8_dynamic(model)
     model = model.to(dtype=dtype).eval()  # (the quantized weights are integers, which stay)
     return model, Tokenizer(ckpt["meta"])
 

@@ -1,13 +1,15 @@
 """Weights stored for decoding, beside the model (as gpt-fast keeps quantize.py): quantize_int8(model)
 and quantize_int4(model) swap the plain Linear layers for Int8Linear or Int4Linear, in place, after the
-weights are loaded.
+weights are loaded; quantize_int8_dynamic(model) for Int8DynamicLinear, which quantizes the activations too.
 
 Decoding one token at a time is bound by reading the weights, so smaller weights decode faster where
-a kernel multiplies them without first writing them out in floating point. Both layers hand torch's
-kernels bf16 activations: on a CPU those kernels are vectorized (AVX2, AVX-512) for bf16 only, and
+a kernel multiplies them without first writing them out in floating point. The two weight-only layers hand
+torch's kernels bf16 activations: on a CPU those kernels are vectorized (AVX2, AVX-512) for bf16 only, and
 fp32 activations take a scalar loop, 4x (int8) and 9x (int4) slower than fp32's own product (the
 measurements: docs/performance.md). Each kernel accumulates in fp32 and rounds its output
 to bf16; the result comes back in the dtype the layer was called with."""
+
+import warnings
 
 import torch
 import torch.nn as nn
@@ -99,6 +101,35 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(dtype)
 
 
+class Int8DynamicLinear(nn.Module):
+    """W8A8 (--quantize=int8-dynamic), as llama.cpp's Q8_0 multiplies: int8 weights, one scale per
+    output channel, and at each call the activations quantized to 8 bits (over the call's rows, from
+    their range), multiplied in integers by torch's dynamic quantized kernel (fbgemm on x86; VNNI where
+    the CPU has it), fp32 out. CPU only. The weights are packed for the kernel, outside the state dict
+    (`weight` holds them plainly, for a reader and the cache's device: twice int8's bytes, half of bf16's)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        w = linear.weight.detach().float().cpu()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12).double() / 127
+        with warnings.catch_warnings():  # torch's quantized tensors are deprecated; the kernel is not
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        bias = None if linear.bias is None else linear.bias.detach().float().cpu()
+        self.packed = torch.ops.quantized.linear_prepack(q, bias)  # what the kernel reads
+        self.register_buffer("weight", q.int_repr())  # the same int8 weights, as the other layers show theirs
+        self.out_features = w.size(0)
+
+    def forward(self, x):
+        if x.device.type != "cpu":
+            raise RuntimeError(f"Int8DynamicLinear runs on a CPU, not {x.device}: --quantize=int8 or int4 there")
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.size(-1)).float(), self.packed, False)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+QUANTIZED = (Int8Linear, Int4Linear, Int8DynamicLinear)  # the layers that quantize_* put in
+
+
 def plain_linear(m):
     """The one rule for a Linear layer that may be swapped for another (quantized, laid out, adapted):
     nn.Linear itself. A subclass (lora.LoRALinear, generate.SplitLinear) computes more than x Wᵀ + b."""
@@ -129,6 +160,13 @@ def quantize_int8(model):
     lm_head gets its own int8 copy; the embedding keeps its weights."""
     refuse_other_linears(model)
     return replace_linears(model, Int8Linear)
+
+
+def quantize_int8_dynamic(model):
+    """Replace every nn.Linear in model (on a CPU) by an Int8DynamicLinear, in place; returns the model.
+    A tied lm_head gets its own copy; the embedding keeps its weights."""
+    refuse_other_linears(model)
+    return replace_linears(model, Int8DynamicLinear)
 
 
 def quantize_int4(model, group_size=128):

@@ -38,7 +38,7 @@ from device import pick_device, pick_dtype, precision, precision_name, run_scrip
 from generate import absolute_positions, decode_layout, generate, generate_tokens, speculative_generate
 from model import ATTENTIONS
 from pages import write_attention
-from quantize import INT4_GROUP_SIZES, Int4Linear, Int8Linear
+from quantize import INT4_GROUP_SIZES, QUANTIZED
 from sampling import sample
 
 MASK = "[MASK]"
@@ -63,7 +63,7 @@ class SampleConfig:
     batch: bool = False  # with --start=FILE:..., continue every line of the file, all in one batch
     draft_dir: str = ""  # out_dir of a small model that drafts tokens for speculative decoding
     draft_k: int = 4  # tokens the draft proposes per step
-    quantize: str = ""  # "int8" or "int4": weight-only, for every Linear layer (docs/model.md)
+    quantize: str = ""  # "int8", "int4": weights only, every Linear layer; "int8-dynamic": W8A8 (CPU; docs/model.md)
     group_size: int = 128  # int4: weights per scale and zero point (32, 64, 128 or 256)
     attention_page: str = ""  # write the first sample's attention weights to this HTML file
     attention_tokens: int = 128  # ...for at most this many (the last) tokens
@@ -72,7 +72,7 @@ class SampleConfig:
 
 RENAMED = {"attention": "attention_page"}  # old name: new name; the old one still works, with a notice
 # the values each setting may take, beyond its type
-RANGES = dict(ckpt=("best", "latest"), quantize=("", "int8", "int4"), group_size=INT4_GROUP_SIZES,
+RANGES = dict(ckpt=("best", "latest"), quantize=("", "int8", "int4", "int8-dynamic"), group_size=INT4_GROUP_SIZES,
               max_new_tokens="[0, inf)", temperature="[0, inf)", top_k="[1, inf)", top_p="(0, 1]",
               num_samples="[1, inf)", draft_k="[1, inf)", attention_tokens="[1, inf)", seed="[0, inf)")
 
@@ -111,6 +111,8 @@ def refusals(cfg, model, draft):
 def int8_on_cuda(cfg, device):
     """cfg without int8 weights on CUDA, saying why: torch has no fused int8 product there, so the layer
     converts its weights at every product and decodes at 0.36x bf16's speed (int4: 1.5x; docs/performance.md)."""
+    if cfg.quantize == "int8-dynamic" and device.type != "cpu":
+        raise UsageError(f"--quantize=int8-dynamic runs a CPU kernel, not {device.type}'s: use --quantize=int8 or int4")
     if cfg.quantize != "int8" or device.type != "cuda":
         return cfg
     print("sample.py: --quantize=int8 decodes slower than unquantized weights on CUDA (torch converts the int8 "
@@ -164,9 +166,9 @@ def main(argv):
     with autocast:
         results, dt = timed(lambda: [mode(model, tok, prompt, cfg, device) for _ in range(cfg.num_samples)], device)
     n_tokens, accepted, proposed = (sum(getattr(r, k) for r in results) for k in ("tokens", "accepted", "proposed"))
-    n_q = sum(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+    n_q, path = sum(isinstance(m, QUANTIZED) for m in model.modules()), "compiled step" if cfg.compile else "eager"
     print(f"sample.py: {n_tokens:,} tokens in {dt:.2f} s, {n_tokens / dt:,.1f} tokens/s ({arch}, {device}, "
-          f"{precision_name(model.wte.weight.dtype, dtype)}{f', {n_q} Linear layers in {cfg.quantize}' if n_q else ''})"
+          f"{precision_name(model.wte.weight.dtype, dtype)}{f', {n_q} Linear layers in {cfg.quantize}' if n_q else ''}, {path})"
           + (f"; draft tokens accepted {accepted}/{proposed} ({accepted / max(proposed, 1):.1%}, k={cfg.draft_k})"
              if cfg.draft_dir else ""), file=sys.stderr)
     if cfg.attention_page:

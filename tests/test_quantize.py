@@ -21,7 +21,8 @@ import generate as generate_module
 from generate import generate
 from lora import LoRALinear
 from generate import SplitLinear, decode_layout
-from quantize import Int4Linear, Int8Linear, int4_groups, quantize_int4, quantize_int8
+from quantize import (Int4Linear, Int8DynamicLinear, Int8Linear, int4_groups, quantize_int4, quantize_int8,
+                      quantize_int8_dynamic)
 
 V = 61  # tiny_model's vocabulary
 BF16 = 2.0**-8  # the relative rounding of a bf16 (8 significant bits), to nearest
@@ -85,6 +86,42 @@ def test_int8_linear_computes_its_dequantized_product_within_half_a_step_per_wei
     assert q(torch.randn(0, n_in)).shape == (0, 48)  # no rows: what an expert gets when no token picks it
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as nn.Linear under autocast
         assert q(x).dtype == linear(x).dtype == torch.bfloat16
+
+
+def test_int8_dynamic_linear_is_within_half_a_step_of_each_weight_and_each_activation():
+    """W8A8: the kernel quantizes the call's activations to 8 bits over their range [min, max] (with 0):
+    a step sx = (max - min) / 255; each weight row to its own step sw = max |w| / 127; it sums the integer
+    products exactly. So each output is within Σ_in (|x| sw / 2 + |w| sx / 2 + sx sw / 4) of x wᵀ + b, plus
+    fp32's rounding of the result."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    q = Int8DynamicLinear(linear)
+    x = torch.randn(5, 64) * torch.rand(5, 1) * 4
+    with torch.no_grad():
+        y = q(x)
+        exact, arithmetic = rounding_bound(x, linear.weight, linear.bias, 0)
+    sx = (x.max().clamp(min=0) - x.min().clamp(max=0)).double() / 255
+    sw = linear.weight.detach().double().abs().amax(dim=1) / 127  # (out,)
+    half_steps = (x.double().abs().sum(-1, keepdim=True) * sw / 2 + linear.weight.detach().double().abs().sum(-1) * sx / 2
+                  + 64 * sx * sw / 4)
+    err = (y.double() - exact).abs()
+    assert (err <= arithmetic + 1.01 * half_steps).all()
+    assert err.max() > 100 * arithmetic.max()  # the activations were rounded: not fp32's product
+    assert q(x[:, None]).shape == (5, 1, 48) and y.dtype == torch.float32
+    assert q(torch.randn(0, 64)).shape == (0, 48)
+
+
+def test_quantize_int8_dynamic_replaces_every_linear_keeps_the_logits_close_and_decodes(tiny_model):
+    model = tiny_model(pos="rope", n_kv_head=2, mlp="swiglu")
+    idx = prompt(10, B=2)
+    with torch.no_grad():
+        before = model(idx)[0]
+        quantize_int8_dynamic(model)
+        after = model(idx)[0]
+    assert sum(isinstance(m, Int8DynamicLinear) for m in model.modules()) == 2 * 4 + 1
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert ((after - before).abs().max() / before.abs().max()) < 0.05
+    assert generate(model, idx, 5, temperature=0).shape == (2, 15)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])

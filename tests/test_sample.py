@@ -22,7 +22,7 @@ import train
 from data import new_model_config
 from generate import generate
 from model import ModelConfig, Transformer
-from quantize import quantize_int8
+from quantize import Int8DynamicLinear, quantize_int8
 
 # what sample.py prints on stderr before it samples: the checkpoint it loaded (its iteration, val loss)
 LOADED = r"sample\.py: out-ok/best\.pt: iteration 4, [^\n]*\n"
@@ -81,10 +81,10 @@ def test_a_prompt_longer_than_learned_positions_is_cropped_and_said(trained, in_
 def test_sample_out_of_memory_stops_in_one_line(trained, run, one_line_error):
     d = trained
     line = next(line for line in (d / "texts" / "part0.txt").read_text(encoding="utf-8").splitlines() if line.strip())
-    # 500,000 prompts in one batch: their cache alone (8 KiB each) is more than the 4 GiB granted here
-    (d / "many.txt").write_text((line + "\n") * 500_000, encoding="utf-8")
+    # 300,000 prompts in one batch: their cache (8 KiB each) and logits are more than the 3 GiB granted here
+    (d / "many.txt").write_text((line + "\n") * 300_000, encoding="utf-8")
     code, out, err = run("sample.py", "--out_dir=out-ok", "--start=FILE:many.txt", "--batch", "--max_new_tokens=5",
-                         cwd=d, max_memory_bytes=4 * 2**30)
+                         cwd=d, max_memory_bytes=3 * 2**30)
     loaded = re.match(LOADED, err)  # after the line naming the checkpoint, the error in one line
     assert loaded, err
     one_line_error((code, out, err[loaded.end():]), "sample.py: error: out of memory (asked for",
@@ -193,6 +193,18 @@ def test_sample_in_bf16_holds_the_weights_in_bf16_with_or_without_a_draft(target
     out = generate(model, torch.tensor([tok.encode("LEAR:")]), 20, temperature=0)
     assert text.split(SEP)[0] == tok.decode(out[0].tolist())
     assert fast == text  # the draft, loaded in the target's dtype: greedy, the same text
+
+
+def test_sample_in_int8_dynamic_prints_the_w8a8_models_text_and_names_its_path(target_and_draft, sample_py):
+    d = target_and_draft
+    text, err = sample_py("--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=10", "--quantize=int8-dynamic",
+                          "--temperature=0")
+    model, tok, _ = checkpoint.load_model(str(d / "out-target"), torch.device("cpu"), quantize="int8-dynamic")
+    assert f"{sum(isinstance(m, Int8DynamicLinear) for m in model.modules())} Linear layers in int8-dynamic, eager)" in err
+    out = generate(model, torch.tensor([tok.encode("LEAR:")]), 10, temperature=0)
+    assert text.split(SEP)[0] == tok.decode(out[0].tolist())
+    with pytest.raises(common.UsageError, match="runs a CPU kernel, not cuda's: use --quantize=int8 or int4"):
+        sample.int8_on_cuda(sample.SampleConfig(quantize="int8-dynamic"), torch.device("cuda"))
 
 
 def test_sample_in_int8_prints_the_int8_models_text_and_pages_its_attention_weights(target_and_draft, sample_py):
