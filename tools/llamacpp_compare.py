@@ -1,6 +1,6 @@
 """llama.cpp (through llama-cpp-python) against nanoformer: greedy tokens of two runs' exports, or (speed)
-decoding GPT-2-124M-shaped random weights in f32 / Q8_0 / Q4_0 against fp32 / int8 / int4, 2 threads, batch 1,
-256 new tokens, best of 3 rounds taken in turn (docs/performance.md). DIR holds the Hugging Face exports and
+decoding GPT-2-124M-shaped random weights in f32 / Q8_0 / Q4_0 against fp32 / int8 / int4 (and int8-dynamic,
+W8A8), 2 threads, batch 1, 256 new tokens, best of 3 rounds taken in turn (docs/performance.md). DIR holds the Hugging Face exports and
 their GGUF conversions as docs/model.md makes them: gpt2, llama (exports of out-bpe-gpt2, out-bpe-llama) with
 gpt2-f32.gguf, llama-f32.gguf; gpt2-124m (hf.save_pretrained of the random model, GPT-2's tokenizer files
 copied in) with gpt2-124m-f32.gguf and gpt2-124m-q8_0.gguf (Q4_0 is made here).
@@ -72,9 +72,9 @@ if "speed" in sys.argv:
     model = decode_layout(for_sampling(model, dict(meta=dict(tokenizer="char", vocab=["a"])), torch.device("cpu"))[0])
     idx = torch.arange(100, 116)[None]
     runs["nanoformer fp32"] = lambda: generate(model, idx, 256, temperature=0)
-    from quantize import quantize_int4, quantize_int8
+    from quantize import quantize_int4, quantize_int8, quantize_int8_dynamic
     models = {"fp32": model}
-    for q, f in (("int8", quantize_int8), ("int4 g128", quantize_int4)):
+    for q, f in (("int8", quantize_int8), ("int4 g128", quantize_int4), ("int8-dynamic", quantize_int8_dynamic)):
         m = f(hf.from_pretrained(f"{DIR}/gpt2-124m")).eval()
         runs[f"nanoformer {q}"] = lambda m=m: generate(m, idx, 256, temperature=0)
         models[q] = m
