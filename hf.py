@@ -36,7 +36,7 @@ from lora import save_peft
 from tokenizer import GPT2_EOT, Tokenizer, hf_files, token_names, tokenizer_meta
 from model import ATTENTIONS, ModelConfig, Transformer
 import hf_vit
-from quantize import Int4Linear, Int8Linear
+from quantize import QUANTIZED
 
 
 class HFError(ValueError):
@@ -450,8 +450,8 @@ def save_pretrained(model, path, **hf_config):
     if c.patch_size:  # ViTForImageClassification: hf_vit.py
         return hf_vit.save(model, path, hf_config.get("meta", {}))
     family = family_of(c)
-    if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
-        raise HFError("a quantized model (int8, int4) has no Hugging Face layout here: export its float weights")
+    if any(isinstance(m, QUANTIZED) for m in model.modules()):
+        raise HFError("a quantized model (int8, int4, int8-dynamic) has no Hugging Face layout here: export its float weights")
     state = model.state_dict()
     if c.tie_embeddings:
         del state["lm_head.weight"]
