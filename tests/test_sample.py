@@ -172,7 +172,7 @@ def test_a_compiled_sample_times_its_compile_apart_and_samples_what_eager_does(s
     compiled, err = sample_py(*args, "--compile=True")
     assert compiled == eager and len(steps) == 1 + 11 and all(isinstance(n, int) for n in steps)
     assert re.fullmatch(LOADED + r"sample.py: compiled the decode step in [\d.]+ s\n"
-                        r"sample.py: 12 tokens in [\d.]+ s, [\d.,]+ tokens/s \(decoder, cpu, float32 weights\)\n", err)
+                        r"sample.py: 12 tokens in [\d.]+ s, [\d.,]+ tokens/s \(decoder, cpu, float32 weights, compiled step\)\n", err)
 
 
 def test_sample_with_a_draft_prints_the_acceptance_rate_and_the_target_text(sample_py):
@@ -180,7 +180,7 @@ def test_sample_with_a_draft_prints_the_acceptance_rate_and_the_target_text(samp
     plain, _ = sample_py(*args)
     fast, err = sample_py(*args, "--draft_dir=out-draft", "--draft_k=3")
     assert fast == plain  # greedy: the same text
-    assert re.fullmatch(LOADED + r"sample.py: 30 tokens in [\d.]+ s, [\d.,]+ tokens/s \(decoder, cpu, float32 weights\); "
+    assert re.fullmatch(LOADED + r"sample.py: 30 tokens in [\d.]+ s, [\d.,]+ tokens/s \(decoder, cpu, float32 weights, eager\); "
                         r"draft tokens accepted \d+/\d+ \([\d.]+%, k=3\)\n", err)  # no second run of the target alone
 
 
@@ -188,7 +188,7 @@ def test_sample_in_bf16_holds_the_weights_in_bf16_with_or_without_a_draft(target
     args = ["--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=20", "--temperature=0", "--dtype=bfloat16"]
     text, err = sample_py(*args)
     fast, _ = sample_py(*args, "--draft_dir=out-draft")
-    assert "(decoder, cpu, bfloat16 weights)" in err  # cast once, not by autocast at every token
+    assert "(decoder, cpu, bfloat16 weights, eager)" in err  # cast once, not by autocast at every token
     model, tok, _ = checkpoint.load_model(str(target_and_draft / "out-target"), torch.device("cpu"), torch.bfloat16)
     out = generate(model, torch.tensor([tok.encode("LEAR:")]), 20, temperature=0)
     assert text.split(SEP)[0] == tok.decode(out[0].tolist())
@@ -267,7 +267,7 @@ def test_every_sample_mode_gives_a_result_one_summary_line_and_its_first_sequenc
     n = sum(r.tokens for r in samples)
     assert tokens in (None, n)  # an encoder-decoder ends where it closes the last span
     draft = r"; draft tokens accepted \d+/\d+ \([\d.]+%, k=4\)" if "--draft_dir=out-draft" in args else ""
-    assert re.fullmatch(rf"{LOADED}sample.py: {n} tokens in [\d.]+ s, [\d.,]+ tokens/s \({arch}, cpu, float32 weights\)"
+    assert re.fullmatch(rf"{LOADED}sample.py: {n} tokens in [\d.]+ s, [\d.,]+ tokens/s \({arch}, cpu, float32 weights, eager\)"
                         rf"{draft}\nsample.py: attention weights of the first sample in attn.html\n", err)
     first = samples[0].seqs[0]
     assert len(page_data(every_arch / "attn.html")["kinds"][0]["queries"]) == len(first.get("src", first["idx"]))
