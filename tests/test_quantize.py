@@ -111,19 +111,6 @@ def test_int8_dynamic_linear_is_within_half_a_step_of_each_weight_and_each_activ
     assert q(torch.randn(0, 64)).shape == (0, 48)
 
 
-def test_quantize_int8_dynamic_replaces_every_linear_keeps_the_logits_close_and_decodes(tiny_model):
-    model = tiny_model(pos="rope", n_kv_head=2, mlp="swiglu")
-    idx = prompt(10, B=2)
-    with torch.no_grad():
-        before = model(idx)[0]
-        quantize_int8_dynamic(model)
-        after = model(idx)[0]
-    assert sum(isinstance(m, Int8DynamicLinear) for m in model.modules()) == 2 * 4 + 1
-    assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert ((after - before).abs().max() / before.abs().max()) < 0.05
-    assert generate(model, idx, 5, temperature=0).shape == (2, 15)
-
-
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_groups_round_each_weight_by_at_most_half_a_step(group_size):
     torch.manual_seed(0)
@@ -210,15 +197,17 @@ def test_a_quantized_model_cast_to_another_dtype_keeps_its_weights_and_scales(ti
     assert half.dtype == torch.bfloat16 and ((half.float() - full).norm() / full.norm()) < 0.02
 
 
-def test_quantize_int8_replaces_every_linear_and_keeps_the_logits_close(tiny_model):
+@pytest.mark.parametrize("quantize, layer", [(quantize_int8, Int8Linear), (quantize_int8_dynamic, Int8DynamicLinear)],
+                         ids=["int8", "int8-dynamic"])
+def test_quantize_int8_replaces_every_linear_and_keeps_the_logits_close(tiny_model, quantize, layer):
     model = tiny_model(pos="rope", n_kv_head=2, mlp="swiglu")
     idx = prompt(10, B=2)
     with torch.no_grad():
         before = model(idx)[0]
-        quantize_int8(model)
+        quantize(model)
         after = model(idx)[0]
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 4 + 1  # qkv, proj, fc, proj; head
+    assert sum(isinstance(m, layer) for m in model.modules()) == 2 * 4 + 1  # qkv, proj, fc, proj; head
     assert ((after - before).abs().max() / before.abs().max()) < 0.05
     assert generate(model, idx, 5).shape == (2, 15)
 
