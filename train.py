@@ -42,7 +42,7 @@ from hf import load_source
 from common import UsageError, check_ranges, parse_settings, usage
 from data import (STREAM, batch_rng, check_data, eval_rng, get_batch, load_data, sentence_ends, special_tokens,
                   stream_batch)
-from device import out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, sync
+from device import leave, out_of_memory, peak_flops, pick_device, pick_dtype, rng_state, sync
 from distributed import (FSDP2, all_ranks, context_line, context_shard, finite, join_ranks, memory_line, sharded,
                          state_dicts)
 from parallel import Pipeline, check_mesh, coordinates, make_mesh, mesh_line, mesh_shape, parallelize, problems, zero_one
@@ -218,7 +218,7 @@ def evaluate(run, it):
     evaluates again). One that will take more than a few seconds says so after its second batch."""
     run.model.eval()
     out, t0, stream = {}, time.time(), bool(run.raw_model.config.mem_len)  # streams: eval_iters segments on
-    (pp, dp, cp, tp), d = mesh_shape(run.cfg, run.world), coordinates(run.cfg, run.rank, run.world)["dp"]
+    (_, dp, cp, tp), d = mesh_shape(run.cfg, run.world), coordinates(run.cfg, run.rank, run.world)["dp"]
     right = torch.zeros((), device=run.device) if run.raw_model.config.n_classes else None  # val's right answers
     for split in ("train", "val"):
         losses, mems = torch.zeros(run.cfg.eval_iters, device=run.device), {}
@@ -547,4 +547,4 @@ if __name__ == "__main__":
         if status == 0:
             dist.barrier()
         dist.destroy_process_group()
-    sys.exit(status)
+    leave(status)

@@ -1,9 +1,15 @@
-"""The device module: the peak FLOP/s that MFU counts against, and out-of-memory messages."""
+"""The device module: the peak FLOP/s that MFU counts against, out-of-memory messages, and a script's exit."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import device
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 @pytest.mark.parametrize("name, tflops", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
@@ -37,3 +43,19 @@ def test_out_of_memory_reads_torchs_messages():
     assert device.out_of_memory(cpu) == "out of memory (asked for 3.1 GiB more)"
     assert device.out_of_memory(MemoryError()) == "out of memory"
     assert device.out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None  # a bug stays a bug
+
+
+def test_a_script_leaves_with_its_status_after_its_exit_handlers_and_its_output(tmp_path):
+    """device.leave skips Python's teardown, not what a script owes: exit handlers (wandb's finish, say)
+    run, buffered output is written, and the status is main's."""
+    script = ("import atexit, sys\nfrom device import run_script\n"
+              "atexit.register(lambda: open('handled', 'w').write('yes'))\n"
+              "def main(argv):\n    print('out', end='')\n    sys.stderr.write('err')\n    return int(argv[0])\n"
+              "run_script(main, 'x.py')\n")
+    (tmp_path / "x.py").write_text(script)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | {"PYTHONPATH": HERE}  # buffered
+    for status in (0, 3):
+        p = subprocess.run([sys.executable, "x.py", str(status)], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert (p.returncode, p.stdout, p.stderr) == (status, "out", "err")
+        assert (tmp_path / "handled").read_text() == "yes"
+        (tmp_path / "handled").unlink()
