@@ -3,12 +3,14 @@ rank holding half of the weights and optimizer state; Muon on sliced matrices co
 on whole ones; a signal saves and the run resumes exactly; the checkpoints are whole and plain, so
 one process resumes them and sample.py samples them; what FSDP cannot run is refused in one line."""
 
+import io
 import os
 import re
 import shutil
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import redirect_stdout
 
 import pytest
 import torch
@@ -174,18 +176,19 @@ def test_fsdp_is_refused_in_one_line_where_it_cannot_run(workdir, run, one_line_
 # Context parallel: each sequence split over the ranks of a group, ring attention between them
 
 @pytest.mark.slow
-def test_context_parallel_trains_as_one_process_does(workdir, run, tiny_args, losses):
+def test_context_parallel_trains_as_one_process_does(workdir, run, in_process, tiny_args, losses):
     """--context_parallel=2 on 2 ranks (one group), and on 4 (two groups, data parallel): the logged
     losses (the mean of every rank's shards) equal a one-process run's on the same batches, to the 4
     decimals printed, and one group's evaluations too; the checkpoint is whole and holds the same model."""
     d, _ = workdir
     common = ["--dataset=verse", "--max_iters=6", "--eval_interval=3", "--gradient_accumulation_steps=2", *tiny_args]
-    jobs = dict(one=lambda: run("train.py", "--out_dir=out-cp-one", *common, cwd=d)[1],
-                two=lambda: torchrun(run, d, "--out_dir=out-cp-2", "--context_parallel=2", *common),
-                four=lambda: run(TORCHRUN, "--standalone", "--nproc_per_node=4", os.path.join(HERE, "train.py"),
-                                 "--out_dir=out-cp-4", "--context_parallel=2", *common, cwd=d)[1])
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        logs = dict(zip(jobs, pool.map(lambda job: job(), jobs.values())))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        two = pool.submit(torchrun, run, d, "--out_dir=out-cp-2", "--context_parallel=2", *common)
+        four = pool.submit(run, TORCHRUN, "--standalone", "--nproc_per_node=4", os.path.join(HERE, "train.py"),
+                           "--out_dir=out-cp-4", "--context_parallel=2", *common, cwd=d)
+        with redirect_stdout(io.StringIO()) as one:  # meanwhile in this process, whose main thread train.py needs
+            assert in_process(train.main, ["--out_dir=out-cp-one", *common], cwd=d) == 0
+        logs = dict(one=one.getvalue(), two=two.result(), four=four.result()[1])
     evals = lambda log: [float(v) for v in re.findall(r"val loss ([\d.]+) \(", log)]  # noqa: E731
     for name in ("two", "four"):
         assert "context parallel: 2 ranks a sequence of 16, 8 positions each" in logs[name], logs[name]

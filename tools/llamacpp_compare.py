@@ -9,6 +9,7 @@ copied in) with gpt2-124m-f32.gguf and gpt2-124m-q8_0.gguf (Q4_0 is made here).
     python tools/llamacpp_compare.py DIR            # greedy tokens
     python tools/llamacpp_compare.py DIR speed      # tokens/s
     python tools/llamacpp_compare.py DIR speed compile   # and nanoformer's through the compiled step
+    python tools/llamacpp_compare.py DIR speed aoti      # and through the step compiled ahead of time
 """
 import os
 import sys
@@ -81,6 +82,13 @@ if "speed" in sys.argv:
     if "compile" in sys.argv:  # the same three through the compiled decode step
         for q, m in models.items():
             runs[f"nanoformer {q}, compiled"] = lambda m=m: generate(m, idx, 256, temperature=0, compile=True)
+    if "aoti" in sys.argv:  # and through the step compiled ahead of time (tools/aoti_decode.py; not int8-dynamic)
+        from aoti_decode import aoti_generate, aoti_step
+        for q in ("fp32 as stored", "int8", "int4 g128"):
+            m = models[q] if q != "fp32 as stored" else hf.from_pretrained(f"{DIR}/gpt2-124m").eval()
+            runner, seconds = aoti_step(m, 512)
+            print(f"{q}: exported and compiled ahead of time in {seconds:.0f} s")
+            runs[f"nanoformer {q}, AOTInductor"] = lambda r=runner: aoti_generate(r, idx, 256, 512)
     times = {k: [] for k in runs}
     with torch.no_grad():
         for k, r in runs.items():
