@@ -202,7 +202,7 @@ def test_the_plan_gives_zero_papers_figures_and_this_projects_own():
 def held_by_ranks(rank, world, port, queue):
     try:
         queue.put((rank, holdings(rank, world, port)))
-    except BaseException as e:  # the test fails at once, with the reason
+    except BaseException:  # the test fails at once, with the reason
         queue.put((rank, __import__("traceback").format_exc()[-1500:]))
         raise
 

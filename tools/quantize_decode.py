@@ -12,10 +12,9 @@ import time
 
 import torch
 
-from generate import generate
+import generate as generate_module
+from generate import decode_layout, generate
 from model import ModelConfig, Transformer, autocast_dtype
-import quantize
-from generate import decode_layout
 from quantize import Int8Linear, quantize_int4, quantize_int8
 
 ROUNDS, NEW = int(sys.argv[1]), int(sys.argv[2])
@@ -39,11 +38,11 @@ before = quantize_int8(copy.deepcopy(model))
 for m in before.modules():
     if isinstance(m, Int8Linear):
         m.__class__ = Int8LinearBefore
-split_bytes, laid_out = quantize.SPLIT_BYTES, {}
+split_bytes, laid_out = generate_module.SPLIT_BYTES, {}
 for name, limit in (("not split", 2**62), ("only the head split", 2**24)):  # no layer that large; only the head
-    quantize.SPLIT_BYTES = limit
+    generate_module.SPLIT_BYTES = limit
     laid_out[f"fp32 (decode_layout, {name})"] = decode_layout(copy.deepcopy(model))
-quantize.SPLIT_BYTES = split_bytes
+generate_module.SPLIT_BYTES = split_bytes
 decoders = {"fp32 (decode_layout)": decode_layout(copy.deepcopy(model)), **laid_out,
             "int8, before (fp32 into the kernel)": before,
             "int8 (bf16 into the kernel)": quantize_int8(copy.deepcopy(model)),
