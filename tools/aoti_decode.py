@@ -1,11 +1,11 @@
 """AOTInductor's decode step (route 1 of the llama.cpp comparison, docs/performance.md) beside eager and
 torch.compile's: the GPT-2-124M-shaped model of `bench.py sample` (random weights, batch 1, greedy, NEW tokens
-after 16) in FORMAT (fp32 as stored, int8 or int4 in groups of 128). The one-token step is exported once
-(torch.export; the cache's slots in use a dynamic size, as the compiled step takes them) and compiled to a
-shared library (torch._inductor.aoti_compile_and_package), loaded, and called once a token with no Python
-of the model's in between; the prompt goes in through the same step, a token at a time (the library keeps
-its own copy of the cache). Prints the export and compile times, tokens/s at the best of 3 rounds taken in
-turn, and whether the three give the same tokens.
+after 16) in FORMAT (fp32 as stored, fp32-layout as sample.py lays it out, int8 or int4 in groups of 128). The
+one-token step is exported once (torch.export; the cache's slots in use a dynamic size, as the compiled step
+takes them) and compiled to a shared library (torch._inductor.aoti_compile_and_package), loaded, and called
+once a token with no Python of the model's in between; the prompt goes in through the same step, a token at a
+time (the library keeps its own copy of the cache). Prints the export and compile times, tokens/s at the best
+of 3 rounds taken in turn, and whether the three give the same tokens.
 
     PYTHONPATH=. python tools/aoti_decode.py NEW THREADS FORMAT      # e.g. 256 2 int8
 
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn as nn
 
-from generate import COMPILED_CACHE_STEP, cache_size, decode, generate
+from generate import COMPILED_CACHE_STEP, cache_size, decode, decode_layout, generate
 from model import ModelConfig, Transformer
 from quantize import quantize_int4, quantize_int8
 
@@ -69,7 +69,7 @@ if __name__ == "__main__":
     torch.set_flush_denormal(True)  # as sample.py runs
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)).eval()
-    model = {"fp32": lambda m: m, "int8": quantize_int8, "int4": quantize_int4}[FORMAT](model)
+    model = {"fp32": lambda m: m, "fp32-layout": decode_layout, "int8": quantize_int8, "int4": quantize_int4}[FORMAT](model)
     idx = torch.randint(0, 50257, (1, 16))
     size = cache_size(model, idx.size(1), NEW, COMPILED_CACHE_STEP)
     runner, compile_s = aoti_step(model, size)
