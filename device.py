@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import time
+import contextlib
 from contextlib import nullcontext
 
 import torch
@@ -161,8 +162,11 @@ def run_script(main, name, oom_hint=None):
 def leave(status):
     """Exit with status now that the script is done. Python's own exit would then collect garbage over
     every object torch made (and dynamo, which torch.optim imports): about a second on a CPU, in each of a
-    run's processes. The exit handlers still run (wandb's, torch's) and the output is flushed; every file
-    this project writes is closed where it is written. A bug's traceback takes the ordinary way out."""
+    run's processes. The exit handlers still run (wandb's, torch's), told the status, and the output is
+    flushed; every file this project writes is closed where it is written. Threads still running are not
+    waited for (the scripts start none that outlive main). A bug's traceback takes the ordinary way out."""
+    with contextlib.suppress(SystemExit):
+        sys.exit(status)  # through whatever wraps sys.exit to learn the status: wandb marks a run failed by it
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

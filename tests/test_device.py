@@ -47,9 +47,11 @@ def test_out_of_memory_reads_torchs_messages():
 
 def test_a_script_leaves_with_its_status_after_its_exit_handlers_and_its_output(tmp_path):
     """device.leave skips Python's teardown, not what a script owes: exit handlers (wandb's finish, say)
-    run, buffered output is written, and the status is main's."""
-    script = ("import atexit, sys\nfrom device import run_script\n"
-              "atexit.register(lambda: open('handled', 'w').write('yes'))\n"
+    run, told the status through sys.exit as wandb's hook reads it, buffered output is written, and the
+    status is main's."""
+    script = ("import atexit, sys\nfrom device import run_script\nseen, real_exit = [], sys.exit\n"
+              "sys.exit = lambda code=0: (seen.append(code), real_exit(code))\n"
+              "atexit.register(lambda: open('handled', 'w').write(f'status {seen}'))\n"
               "def main(argv):\n    print('out', end='')\n    sys.stderr.write('err')\n    return int(argv[0])\n"
               "run_script(main, 'x.py')\n")
     (tmp_path / "x.py").write_text(script)
@@ -57,5 +59,5 @@ def test_a_script_leaves_with_its_status_after_its_exit_handlers_and_its_output(
     for status in (0, 3):
         p = subprocess.run([sys.executable, "x.py", str(status)], cwd=tmp_path, env=env, capture_output=True, text=True)
         assert (p.returncode, p.stdout, p.stderr) == (status, "out", "err")
-        assert (tmp_path / "handled").read_text() == "yes"
+        assert (tmp_path / "handled").read_text() == f"status [{status}]"
         (tmp_path / "handled").unlink()

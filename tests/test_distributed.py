@@ -187,7 +187,7 @@ def test_context_parallel_trains_as_one_process_does(workdir, run, in_process, t
         four = pool.submit(run, TORCHRUN, "--standalone", "--nproc_per_node=4", os.path.join(HERE, "train.py"),
                            "--out_dir=out-cp-4", "--context_parallel=2", *common, cwd=d)
         with redirect_stdout(io.StringIO()) as one:  # meanwhile in this process, whose main thread train.py needs
-            assert in_process(train.main, ["--out_dir=out-cp-one", *common], cwd=d) == 0
+            assert in_process(train.main, ["--out_dir=out-cp-one", *common], cwd=d) == 0, one.getvalue()
         logs = dict(one=one.getvalue(), two=two.result(), four=four.result()[1])
     evals = lambda log: [float(v) for v in re.findall(r"val loss ([\d.]+) \(", log)]  # noqa: E731
     for name in ("two", "four"):

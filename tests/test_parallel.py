@@ -98,7 +98,8 @@ def runs(workdir, run, in_process, tiny_args):
         logs = {}
         for shape in SHAPES:  # here, not in a thread of the pool: train.py's signal handlers need the main thread
             with redirect_stdout(io.StringIO()) as log:
-                assert in_process(train.main, [f"--out_dir=out-{shape}", *args(tiny_args, shape)], cwd=d) == 0
+                assert in_process(train.main, [f"--out_dir=out-{shape}", *args(tiny_args, shape)], cwd=d) == 0, \
+                    log.getvalue()
             logs[shape] = log.getvalue()
         return logs | {name: future.result() for name, future in futures.items()}
 

@@ -53,7 +53,9 @@ def aoti_step(model, size):
 
 @torch.no_grad()
 def aoti_generate(runner, idx, new, size):
-    """Greedy: the prompt a token at a time through the library's cache (of `size` slots), then new tokens."""
+    """Greedy: the prompt a token at a time through the library's cache (of `size` slots), then new tokens.
+    The cache is never emptied: what a round reads past its own keys (slot 1 at its first token) holds a
+    later position of the round before, which the causal mask hides."""
     out, used = idx, torch.empty(size)  # its first n: n slots in use
     for i in range(idx.size(1) + new - 1):
         token = out[:, i:i + 1]
@@ -72,6 +74,7 @@ if __name__ == "__main__":
     model = {"fp32": lambda m: m, "fp32-layout": decode_layout, "int8": quantize_int8, "int4": quantize_int4}[FORMAT](model)
     idx = torch.randint(0, 50257, (1, 16))
     size = cache_size(model, idx.size(1), NEW, COMPILED_CACHE_STEP)
+    assert idx.size(1) + NEW < min(size, model.config.block_size), "NEW: at most 1007 (the export takes size - 1 slots)"
     runner, compile_s = aoti_step(model, size)
     print(f"export and AOT compile: {compile_s:.1f} s ({size} slots)")
     paths = {"eager": lambda: generate(model, idx, NEW, temperature=0),
