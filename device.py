@@ -8,8 +8,7 @@ import os
 import re
 import sys
 import time
-import contextlib
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 
 import torch
 
@@ -165,7 +164,7 @@ def leave(status):
     run's processes. The exit handlers still run (wandb's, torch's), told the status, and the output is
     flushed; every file this project writes is closed where it is written. Threads still running are not
     waited for (the scripts start none that outlive main). A bug's traceback takes the ordinary way out."""
-    with contextlib.suppress(SystemExit):
+    with suppress(SystemExit):
         sys.exit(status)  # through whatever wraps sys.exit to learn the status: wandb marks a run failed by it
     atexit._run_exitfuncs()
     sys.stdout.flush()
