@@ -9,6 +9,7 @@ matrix-vector products, which sample.py and bench.py apply.
     out = generate(model, idx, max_new_tokens=100, temperature=0.8, top_k=200)
 """
 
+import contextlib
 import math
 import os
 
@@ -83,7 +84,7 @@ def decode(model, idx, input_pos, src_mask=None, slots_used=None):
 
 def compiled(device, **options):
     """The decode step compiled (options: torch.compile's). On a GPU: one static graph per cache size,
-    replayed as a CUDA graph. On a CPU, plain inductor code, where slots_used grows by one a step:
+    replayed as a CUDA graph. On a CPU, inductor code called from C++, where slots_used grows by one a step:
     dynamo compiles the first count as a constant, and at the second makes it a size (its automatic
     dynamic shapes), so one more graph serves every count (and one once a ring is full). torch.compile
     keeps what it compiled with decode's code, so a second call reuses it; inductor keeps its code on
@@ -92,7 +93,19 @@ def compiled(device, **options):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(CACHE, "inductor"))
     if device.type == "cuda":
         return torch.compile(decode, dynamic=False, mode="reduce-overhead", **options)
+    if "backend" not in options:  # inductor's code calls its kernels from C++, not Python (docs/performance.md)
+        options["options"] = {"cpp_wrapper": True}
     return torch.compile(decode, **options)  # not dynamic=True: every shape a size, slower (docs/model.md)
+
+
+def unguarded(skip):
+    """Where skip, the compiled step's guards unchecked, but those that tell its graphs apart: checking
+    each of the model's tensors costs about a millisecond a token on a CPU. torch warns that a call
+    the guards would have sent to a new graph then runs a stale one; generate_tokens skips them only
+    from its third step (the first two compile, then check the model and cache sizes with full
+    guards) until the cache is full: in between a step differs from the one before only in the
+    values of its tokens and positions and in the slots in use, which the graph takes as a size."""
+    return torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext()
 
 
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
@@ -160,7 +173,8 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
                 logits, pos, fed = start(idx, mask)
             else:
                 pos, fed = pos + 1, fed + 1  # pos on the device, so the loop never waits for it
-                logits = step(model, idx_next, pos, src_mask, slots_used(model, fed))
+                with unguarded(compile and i >= 2 and fed < size and idx.device.type in SLOTS_IN_USE_ON):
+                    logits = step(model, idx_next, pos, src_mask, slots_used(model, fed))
     finally:
         model.clear_kv_cache()
 

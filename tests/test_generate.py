@@ -204,6 +204,28 @@ def test_the_compiled_step_decodes_as_the_plain_one_in_a_cache_of_256_slots(monk
     assert sizes == [256] * 8  # every step after the prefill
 
 
+def test_the_compiled_step_runs_unguarded_from_its_third_step_until_the_ring_is_full(monkeypatch, tiny_model):
+    """Dynamo's guards are skipped (generate.unguarded) only after two steps with full guards (the
+    first compiles, the second makes the slots in use a size) and only while the cache has empty
+    slots: once a ring is full a step may need another graph, which the guards must find."""
+    steps, skips, options = [], [], []
+    def recording_compile(fn, **kw):  # a stand-in: no compiler
+        options.append(kw)
+        return lambda model, *a: (steps.append(a[-1]), fn(model, *a))[1]
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    real = generate_module.unguarded
+    monkeypatch.setattr(generate_module, "unguarded", lambda skip: (skips.append(skip), real(skip))[1])
+    for kw, new in ((dict(pos="rope"), 9), (dict(pos="relative", window=4), 300)):  # a ring of 256 slots, full
+        model = tiny_model(**kw)
+        eager = generate(model, prompt(5), new, temperature=0)
+        steps.clear(), skips.clear()
+        assert torch.equal(generate(model, prompt(5), new, temperature=0, compile=True), eager)
+        assert len(skips) == len(steps) == new - 1
+        assert skips == [i >= 2 and used < 256 for i, used in enumerate(steps)] and skips[2]
+    assert steps[-1] == 256 and not skips[-1]
+    assert options == [dict(options=dict(cpp_wrapper=True))] * 2  # inductor's code calls its kernels from C++
+
+
 def test_generate_rejects_an_encoder(tiny_model):
     with pytest.raises(ValueError, match="encoder does not generate"):
         generate(tiny_model(arch="encoder"), torch.zeros(1, 2, dtype=torch.long), 3)

@@ -10,6 +10,7 @@ copied in) with gpt2-124m-f32.gguf and gpt2-124m-q8_0.gguf (Q4_0 is made here).
     python tools/llamacpp_compare.py DIR speed      # tokens/s
     python tools/llamacpp_compare.py DIR speed compile   # and nanoformer's through the compiled step
     python tools/llamacpp_compare.py DIR speed aoti      # and through the step compiled ahead of time
+    python tools/llamacpp_compare.py DIR speed compile q4_0   # one format (f32, q8_0, q4_0) and ours beside it
 """
 import os
 import sys
@@ -79,8 +80,8 @@ if "speed" in sys.argv:
         m = f(hf.from_pretrained(f"{DIR}/gpt2-124m")).eval()
         runs[f"nanoformer {q}"] = lambda m=m: generate(m, idx, 256, temperature=0)
         models[q] = m
-    if "compile" in sys.argv:  # the same three through the compiled decode step
-        for q, m in models.items():
+    if "compile" in sys.argv:  # the same through the compiled decode step, but W8A8's, slower compiled
+        for q, m in [(q, m) for q, m in models.items() if q != "int8-dynamic"]:
             runs[f"nanoformer {q}, compiled"] = lambda m=m: generate(m, idx, 256, temperature=0, compile=True)
     if "aoti" in sys.argv:  # and through the step compiled ahead of time (tools/aoti_decode.py; not int8-dynamic)
         from aoti_decode import aoti_generate, aoti_step
@@ -89,12 +90,20 @@ if "speed" in sys.argv:
             runner, seconds = aoti_step(m, 512)
             print(f"{q}: exported and compiled ahead of time in {seconds:.0f} s")
             runs[f"nanoformer {q}, AOTInductor"] = lambda r=runner: aoti_generate(r, idx, 256, 512)
-    times = {k: [] for k in runs}
+    only = [a for a in sys.argv[2:] if a in ("f32", "q8_0", "q4_0")]  # one format a process: compiled steps of
+    # several models in one process slow each other (docs/performance.md)
+    mine = {"f32": ("fp32",), "q8_0": ("int8", "int8-dynamic"), "q4_0": ("int4 g128",)}
+    keep = [f"llama.cpp {t}" for t in only] + [f"nanoformer {q}" for t in only for q in mine[t]]
+    runs = {k: r for k, r in runs.items() if not only or k.split(",")[0].replace(" as stored", "") in keep}
+    times, outs = {k: [] for k in runs}, {}
     with torch.no_grad():
         for k, r in runs.items():
-            r()
+            outs[k] = r()
         for _ in range(3):
             for k, r in runs.items():
                 t = time.perf_counter(); r(); times[k].append(time.perf_counter() - t)
-    for k, ts in times.items():
-        print(f"{k:28} {256 / min(ts):7.1f} tokens/s (best of 3)")
+    for k, ts in times.items():  # a faster path of ours against the eager one of the same weights
+        eager = k.split(",")[0].replace(" as stored", "")
+        same = "" if k == eager or "llama" in k else "  the same" if torch.equal(outs[k], outs[eager]) else "  OTHER"
+        same += " tokens as eager" if same else ""
+        print(f"{k:28} {256 / min(ts):7.1f} tokens/s (best of 3){same}")
