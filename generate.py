@@ -93,19 +93,24 @@ def compiled(device, **options):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(CACHE, "inductor"))
     if device.type == "cuda":
         return torch.compile(decode, dynamic=False, mode="reduce-overhead", **options)
-    if "backend" not in options:  # inductor's code calls its kernels from C++, not Python (docs/performance.md)
-        options["options"] = {"cpp_wrapper": True}
+    if device.type == "cpu" and "backend" not in options:  # inductor's kernels called from C++, not Python
+        options["options"] = {"cpp_wrapper": True, **options.get("options", {})}  # (docs/performance.md)
     return torch.compile(decode, **options)  # not dynamic=True: every shape a size, slower (docs/model.md)
 
 
 def unguarded(skip):
     """Where skip, the compiled step's guards unchecked, but those that tell its graphs apart: checking
-    each of the model's tensors costs about a millisecond a token on a CPU. torch warns that a call
-    the guards would have sent to a new graph then runs a stale one; generate_tokens skips them only
-    from its third step (the first two compile, then check the model and cache sizes with full
-    guards) until the cache is full: in between a step differs from the one before only in the
-    values of its tokens and positions and in the slots in use, which the graph takes as a size."""
-    return torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext()
+    them all cost about a millisecond a token on a CPU. torch warns that a call the guards would have
+    sent to a new graph then runs a stale one; generate_tokens skips them only from its third step
+    (the first two compile, then check the model and cache sizes with full guards) until the cache
+    is full, and not for a mixture of experts (whose experts' batches change size): in between a step
+    differs from the one before only in its tokens' and positions' values and in the slots in use,
+    which the graph takes as a size. A stance the caller set (torch.compiler.set_stance) is kept."""
+    if skip:  # (dynamo is imported by then: the step compiled)
+        stance = torch._dynamo.eval_frame._stance  # the caller's: skipping would reset it to the default
+        if stance.stance == "default" and stance.backend is None:
+            return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
 
 
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
@@ -173,7 +178,8 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
                 logits, pos, fed = start(idx, mask)
             else:
                 pos, fed = pos + 1, fed + 1  # pos on the device, so the loop never waits for it
-                with unguarded(compile and i >= 2 and fed < size and idx.device.type in SLOTS_IN_USE_ON):
+                fast = compile and i >= 2 and fed < size and not c.n_expert and idx.device.type in SLOTS_IN_USE_ON
+                with unguarded(fast):
                     logits = step(model, idx_next, pos, src_mask, slots_used(model, fed))
     finally:
         model.clear_kv_cache()

@@ -80,20 +80,21 @@ if "speed" in sys.argv:
         m = f(hf.from_pretrained(f"{DIR}/gpt2-124m")).eval()
         runs[f"nanoformer {q}"] = lambda m=m: generate(m, idx, 256, temperature=0)
         models[q] = m
+    only = [a for a in sys.argv[2:] if a in ("f32", "q8_0", "q4_0")]  # one format a process: compiled steps of
+    # several models in one process slow each other (docs/performance.md)
+    mine = {"f32": ("fp32",), "q8_0": ("int8", "int8-dynamic"), "q4_0": ("int4 g128",)}
+    keep = [f"llama.cpp {t}" for t in only] + [f"nanoformer {q}" for t in only for q in mine[t]]
     if "compile" in sys.argv:  # the same through the compiled decode step, but W8A8's, slower compiled
         for q, m in [(q, m) for q, m in models.items() if q != "int8-dynamic"]:
             runs[f"nanoformer {q}, compiled"] = lambda m=m: generate(m, idx, 256, temperature=0, compile=True)
     if "aoti" in sys.argv:  # and through the step compiled ahead of time (tools/aoti_decode.py; not int8-dynamic)
         from aoti_decode import aoti_generate, aoti_step
-        for q in ("fp32 as stored", "int8", "int4 g128"):
+        for q in [q for q in ("fp32 as stored", "int8", "int4 g128") if not only or
+                  f"nanoformer {q.replace(' as stored', '')}" in keep]:
             m = models[q] if q != "fp32 as stored" else hf.from_pretrained(f"{DIR}/gpt2-124m").eval()
             runner, seconds = aoti_step(m, 512)
             print(f"{q}: exported and compiled ahead of time in {seconds:.0f} s")
             runs[f"nanoformer {q}, AOTInductor"] = lambda r=runner: aoti_generate(r, idx, 256, 512)
-    only = [a for a in sys.argv[2:] if a in ("f32", "q8_0", "q4_0")]  # one format a process: compiled steps of
-    # several models in one process slow each other (docs/performance.md)
-    mine = {"f32": ("fp32",), "q8_0": ("int8", "int8-dynamic"), "q4_0": ("int4 g128",)}
-    keep = [f"llama.cpp {t}" for t in only] + [f"nanoformer {q}" for t in only for q in mine[t]]
     runs = {k: r for k, r in runs.items() if not only or k.split(",")[0].replace(" as stored", "") in keep}
     times, outs = {k: [] for k in runs}, {}
     with torch.no_grad():
