@@ -138,6 +138,8 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
     if c.arch == "encoder-decoder" and src is None:
         raise ValueError("an encoder-decoder generates from src: generate(model, idx, n, src=src)")
     step = compiled(idx.device) if compile else decode
+    # its guards skipped from the third step while the cache has room (see unguarded): not for experts
+    unguardable = compile and not c.n_expert and idx.device.type in SLOTS_IN_USE_ON
     dtype = autocast_dtype(idx.device)  # the cache in autocast's dtype, not the weights'
     memory = None if src is None else model.encode(src, src_mask)
     # a kind that keeps nothing (LSH) runs the model over its context at every step, as nanoGPT does
@@ -178,8 +180,7 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
                 logits, pos, fed = start(idx, mask)
             else:
                 pos, fed = pos + 1, fed + 1  # pos on the device, so the loop never waits for it
-                fast = compile and i >= 2 and fed < size and not c.n_expert and idx.device.type in SLOTS_IN_USE_ON
-                with unguarded(fast):
+                with unguarded(unguardable and i >= 2 and fed < size):
                     logits = step(model, idx_next, pos, src_mask, slots_used(model, fed))
     finally:
         model.clear_kv_cache()

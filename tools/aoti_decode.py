@@ -45,8 +45,8 @@ def aoti_step(model, size):
     del m.decoder.cache_pos
     m.decoder.register_buffer("cache_pos", pos, persistent=False)
     t = time.perf_counter()
-    ep = torch.export.export(Step(m), (token, token.clone(), torch.empty(2)),  # two tensors: one, passed twice, is
-    # exported as one input, which both arguments then read
+    # token and position as two tensors: one tensor passed twice is exported as one input, which both then read
+    ep = torch.export.export(Step(m), (token, token.clone(), torch.empty(2)),
                              dynamic_shapes=(None, None, {0: torch.export.Dim("slots", min=2, max=size - 1)}), strict=False)
     path = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tempfile.mkdtemp(), "step.pt2"))
     return torch._inductor.aoti_load_package(path), time.perf_counter() - t

@@ -84,18 +84,19 @@ if "speed" in sys.argv:
     # several models in one process slow each other (docs/performance.md)
     mine = {"f32": ("fp32",), "q8_0": ("int8", "int8-dynamic"), "q4_0": ("int4 g128",)}
     keep = [f"llama.cpp {t}" for t in only] + [f"nanoformer {q}" for t in only for q in mine[t]]
+    weights = lambda run: run.split(",")[0].replace(" as stored", "")  # noqa: E731  (a run's eager one)
     if "compile" in sys.argv:  # the same through the compiled decode step, but W8A8's, slower compiled
-        for q, m in [(q, m) for q, m in models.items() if q != "int8-dynamic"]:
-            runs[f"nanoformer {q}, compiled"] = lambda m=m: generate(m, idx, 256, temperature=0, compile=True)
+        for q, m in models.items():
+            if q != "int8-dynamic":
+                    runs[f"nanoformer {q}, compiled"] = lambda m=m: generate(m, idx, 256, temperature=0, compile=True)
     if "aoti" in sys.argv:  # and through the step compiled ahead of time (tools/aoti_decode.py; not int8-dynamic)
         from aoti_decode import aoti_generate, aoti_step
-        for q in [q for q in ("fp32 as stored", "int8", "int4 g128") if not only or
-                  f"nanoformer {q.replace(' as stored', '')}" in keep]:
+        for q in [q for q in ("fp32 as stored", "int8", "int4 g128") if not only or weights(f"nanoformer {q}") in keep]:
             m = models[q] if q != "fp32 as stored" else hf.from_pretrained(f"{DIR}/gpt2-124m").eval()
             runner, seconds = aoti_step(m, 512)
             print(f"{q}: exported and compiled ahead of time in {seconds:.0f} s")
             runs[f"nanoformer {q}, AOTInductor"] = lambda r=runner: aoti_generate(r, idx, 256, 512)
-    runs = {k: r for k, r in runs.items() if not only or k.split(",")[0].replace(" as stored", "") in keep}
+    runs = {k: r for k, r in runs.items() if not only or weights(k) in keep}
     times, outs = {k: [] for k in runs}, {}
     with torch.no_grad():
         for k, r in runs.items():
@@ -104,7 +105,6 @@ if "speed" in sys.argv:
             for k, r in runs.items():
                 t = time.perf_counter(); r(); times[k].append(time.perf_counter() - t)
     for k, ts in times.items():  # a faster path of ours against the eager one of the same weights
-        eager = k.split(",")[0].replace(" as stored", "")
-        same = "" if k == eager or "llama" in k else "  the same" if torch.equal(outs[k], outs[eager]) else "  OTHER"
-        same += " tokens as eager" if same else ""
+        faster = k != weights(k) and "llama" not in k
+        same = f"  {'the same' if torch.equal(outs[k], outs[weights(k)]) else 'OTHER'} tokens as eager" if faster else ""
         print(f"{k:28} {256 / min(ts):7.1f} tokens/s (best of 3){same}")
