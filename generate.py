@@ -12,6 +12,8 @@ matrix-vector products, which sample.py and bench.py apply.
 import contextlib
 import math
 import os
+import types
+import weakref
 
 import torch
 import torch.nn as nn
@@ -82,20 +84,31 @@ def decode(model, idx, input_pos, src_mask=None, slots_used=None):
     return model(idx, src_mask=src_mask, input_pos=input_pos, slots_used=slots_used)[0][:, -1]
 
 
-def compiled(device, **options):
-    """The decode step compiled (options: torch.compile's). On a GPU: one static graph per cache size,
-    replayed as a CUDA graph. On a CPU, inductor code called from C++, where slots_used grows by one a step:
-    dynamo compiles the first count as a constant, and at the second makes it a size (its automatic
-    dynamic shapes), so one more graph serves every count (and one once a ring is full). torch.compile
-    keeps what it compiled with decode's code, so a second call reuses it; inductor keeps its code on
-    disk under the cache directory (common.CACHE, unless TORCHINDUCTOR_CACHE_DIR names another),
-    where a later process finds it."""
+def compiled(device, step=decode, **options):
+    """The decode step (or a copy of it: own_step) compiled (options: torch.compile's). On a GPU: one
+    static graph per cache size, replayed as a CUDA graph. On a CPU, inductor code called from C++,
+    where slots_used grows by one a step: dynamo compiles the first count as a constant, and at the
+    second makes it a size (its automatic dynamic shapes), so one more graph serves every count (and
+    one once a ring is full). torch.compile keeps what it compiled with the step's code, so a second
+    call reuses it; inductor keeps its code on disk under the cache directory (common.CACHE, unless
+    TORCHINDUCTOR_CACHE_DIR names another), where a later process finds it."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(CACHE, "inductor"))
     if device.type == "cuda":
-        return torch.compile(decode, dynamic=False, mode="reduce-overhead", **options)
+        return torch.compile(step, dynamic=False, mode="reduce-overhead", **options)
     if device.type == "cpu" and "backend" not in options:  # inductor's kernels called from C++, not Python
         options["options"] = {"cpp_wrapper": True, **options.get("options", {})}  # (docs/performance.md)
-    return torch.compile(decode, **options)  # not dynamic=True: every shape a size, slower (docs/model.md)
+    return torch.compile(step, **options)  # not dynamic=True: every shape a size, slower (docs/model.md)
+
+
+STEPS = weakref.WeakKeyDictionary()  # model -> (device type, its own compiled step): own_step
+
+
+def own_step(model, device):
+    """The model's compiled step: decode's code copied for it alone. dynamo keeps what it compiled with
+    the code, and the graphs of several models on one code slowed each other's steps (docs/performance.md)."""
+    if STEPS.get(model, (None,))[0] != device.type:
+        STEPS[model] = device.type, compiled(device, types.FunctionType(decode.__code__.replace(), decode.__globals__))
+    return STEPS[model][1]
 
 
 def unguarded(skip):
@@ -137,7 +150,7 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         raise ValueError("an encoder does not generate: fill masked tokens with one forward pass")
     if c.arch == "encoder-decoder" and src is None:
         raise ValueError("an encoder-decoder generates from src: generate(model, idx, n, src=src)")
-    step = compiled(idx.device) if compile else decode
+    step = own_step(model, idx.device) if compile else decode
     # its guards skipped from the third step while the cache has room (see unguarded): not for experts
     unguardable = compile and not c.n_expert and idx.device.type in SLOTS_IN_USE_ON
     dtype = autocast_dtype(idx.device)  # the cache in autocast's dtype, not the weights'

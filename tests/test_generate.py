@@ -232,6 +232,20 @@ def test_the_compiled_step_runs_unguarded_from_its_third_step_until_the_ring_is_
     assert used[-1] == 256 and options[0] == dict(options=dict(cpp_wrapper=True))  # inductor's kernels from C++
 
 
+def test_each_model_compiles_a_step_of_its_own_and_keeps_it(monkeypatch, tiny_model):
+    """generate(compile=True) compiles a copy of decode's code a model (own_step): dynamo keeps its graphs
+    with the code, and several models' graphs on one code slowed each other. A model's next generation
+    reuses its step."""
+    compiled_code = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled_code.append(fn.__code__) or fn)
+    models = [tiny_model(pos="rope"), tiny_model(pos="rope")]
+    for model in models + models:
+        assert torch.equal(generate(model, prompt(5), 4, temperature=0, compile=True),
+                           generate(model, prompt(5), 4, temperature=0))
+    assert len(compiled_code) == 2 and compiled_code[0] is not compiled_code[1]
+    assert all(c is not decode.__code__ and c == decode.__code__ for c in compiled_code)  # copies of it
+
+
 def test_generate_rejects_an_encoder(tiny_model):
     with pytest.raises(ValueError, match="encoder does not generate"):
         generate(tiny_model(arch="encoder"), torch.zeros(1, 2, dtype=torch.long), 3)
