@@ -80,8 +80,7 @@ if "speed" in sys.argv:
         m = f(hf.from_pretrained(f"{DIR}/gpt2-124m")).eval()
         runs[f"nanoformer {q}"] = lambda m=m: generate(m, idx, 256, temperature=0)
         models[q] = m
-    only = [a for a in sys.argv[2:] if a in ("f32", "q8_0", "q4_0")]  # one format a process: compiled steps of
-    # several models in one process slow each other (docs/performance.md)
+    only = [a for a in sys.argv[2:] if a in ("f32", "q8_0", "q4_0")]  # a format alone, if named
     mine = {"f32": ("fp32",), "q8_0": ("int8", "int8-dynamic"), "q4_0": ("int4 g128",)}
     keep = [f"llama.cpp {t}" for t in only] + [f"nanoformer {q}" for t in only for q in mine[t]]
     weights = lambda run: run.split(",")[0].replace(" as stored", "")  # noqa: E731  (a run's eager one)
