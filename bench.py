@@ -40,7 +40,8 @@ from data import batch_rng, get_batch, load_data, new_model_config, special_toke
 from distributed import MemoryConfig, plan_memory
 from device import peak_flops, pick_device, pick_dtype, precision, precision_name, run_script, timed
 from efficient import LinearState, PerformerState
-from generate import cache_size, decode, decode_layout, generate, piece_size, slots_used, speculative_generate
+from generate import (cache_size, compile_pays, decode, decode_layout, generate, piece_size, slots_used,
+                      speculative_generate)
 from optim import make_optimizer, optimizer_step
 from train import TRAIN_RANGES, TrainConfig
 from model import KVCache, ModelConfig, Transformer, attn_impl, autocast_dtype
@@ -159,7 +160,7 @@ class DecodeConfig:
     out_dir: str = "out"  # a run whose ckpt.pt shows what int8 and int4 weights cost it (skipped if none)
     device: str = "auto"
     dtype: str = "auto"
-    compile: bool = False  # torch.compile the one-token decoding step
+    compile: bool | None = None  # torch.compile the one-token decoding step; None: where it pays, as sample.py decides
     batch: int = 1  # prompts decoded together (GPT-2 shape only; speculative decoding takes one)
     draft_dir: str = ""  # instead: out_dir's model alone against speculative decoding with this run as the draft
     draft_k: int = 4  # ...tokens the draft proposes per step
@@ -215,9 +216,9 @@ def decoding(argv):
     return 0
 
 
-def decode_speed(config, device, dtype, compile=False, batch=1, new=256, prompt=16, rounds=3):
+def decode_speed(config, device, dtype, compile=None, batch=1, new=256, prompt=16, rounds=3):
     """nanoformer's KV cache against transformers' generate on the same weights, and int8 and int4 weights
-    (with compile, each through the compiled step too), all greedy from one prompt: each at its best of
+    (compiled: each through the compiled step too), all greedy from one prompt: each at its best of
     `rounds`, the decoders taking turns in every round."""
     torch.manual_seed(0)
     weights, autocast = precision(dtype, device)  # as sample.py samples
@@ -231,7 +232,7 @@ def decode_speed(config, device, dtype, compile=False, batch=1, new=256, prompt=
     if device.type == "cpu":  # as sample.py lays the weights out, and as they were stored
         decoders = {"nanoformer, weights as stored": copy.deepcopy(model), "nanoformer": decode_layout(model),
                     **{f"nanoformer, {q}": m for q, m in quantized.items()}}
-    if compile:  # the same models, through the compiled step
+    if (compile_pays(model, device, new, rounds + 1, prompt) if compile is None else compile):  # as generate decides
         decoders |= {name + ", compiled": m for name, m in list(decoders.items()) if "stored" not in name}
     idx = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
     runs = {name: (lambda m=m, c="compiled" in name: generate(m, idx, new, temperature=0, compile=c))
@@ -277,7 +278,8 @@ def speculative_speed(cfg, device, dtype, rounds=3):
         raise UsageError(f"the model in {cfg.out_dir} cannot encode sample.py's default prompt {SampleConfig.start!r}")
     idx = torch.tensor([tok.encode(SampleConfig.start, special=True)], device=device)
     n, how = cfg.max_new_tokens, (cfg.temperature, SampleConfig.top_k, SampleConfig.top_p)
-    alone = lambda: generate(model, idx, n, *how, vocab_limit=tok.vocab_size, compile=cfg.compile)  # noqa: E731
+    compile = compile_pays(model, device, n, rounds + 1, idx.size(1)) if cfg.compile is None else cfg.compile
+    alone = lambda: generate(model, idx, n, *how, vocab_limit=tok.vocab_size, compile=compile)  # noqa: E731
     runs = {"target alone": lambda: (alone(), 0, 0),
             "speculative": lambda: speculative_generate(model, draft, idx, n, cfg.draft_k, *how, tok.vocab_size)}
     times, accepted, proposed = {name: [] for name in runs}, 0, 0
@@ -294,7 +296,7 @@ def speculative_speed(cfg, device, dtype, rounds=3):
     size = lambda m: f"{sum(w.numel() for w in m.parameters()) / 1e6:.2f}M parameters"  # noqa: E731
     print(f"speculative decoding: target {cfg.out_dir} ({size(model)}), draft {cfg.draft_dir} ({size(draft)}), "
           f"k={cfg.draft_k}; {n} new tokens, temperature {cfg.temperature:g}, {precision_name(weights, dtype)} on "
-          f"{device}{', compiled decode step' if cfg.compile else ''}; median of {rounds} rounds")
+          f"{device}{', compiled decode step' if compile else ''}; median of {rounds} rounds")
     print(f"target alone: {rate['target alone']:9,.1f} tokens/s")
     print(f"speculative:  {rate['speculative']:9,.1f} tokens/s (draft tokens accepted {accepted}/{proposed}, "
           f"{accepted / max(proposed, 1):.1%})")

@@ -128,7 +128,7 @@ def read_flag(arg, known, classes):
     """--key=value -> (key, value of key's type). A bare --flag switches a yes/no setting on."""
     key, eq, text = arg[2:].partition("=")
     kind = known.get(key, (None, None))[1]
-    if not eq and kind is bool:
+    if not eq and bool in (get_args(kind) or (kind,)):  # bool, or bool | None
         eq, text = "=", "True"
     if not eq:
         check_name(key, known, classes)

@@ -1,6 +1,6 @@
 """
 Decoding, beside the model as in gpt-fast: a prompt goes into the caches that model.py keeps
-(prefill), then one token at a time (decode, compiled if asked), sampled without waiting for the
+(prefill), then one token at a time (decode, compiled where it pays), sampled without waiting for the
 device (generate, generate_tokens); speculative decoding, where a small draft proposes tokens
 and the target keeps those it agrees with; and decode_layout, the weights laid out for a CPU's
 matrix-vector products, which sample.py and bench.py apply.
@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 from common import CACHE
 from model import ATTENTIONS, autocast_dtype, reach
-from quantize import plain_linear, replace_linears
+from quantize import Int8DynamicLinear, plain_linear, replace_linears
 from sampling import draw, sample, sampling_probs
 
+COMPILE_PAYS_FROM = 5_000  # decoding steps from which the compiled step makes up for its compile (compile_pays)
 COMPILED_CACHE_STEP = 256  # a compiled step's cache sizes come in steps of this, so other prompts reuse its graph
 SLOTS_IN_USE_ON = ("cpu",)  # devices whose passes read only the cache's slots in use: a GPU reads every slot, so
 # that each step has one shape, replayed as a CUDA graph; a CPU skips reading the empty ones
@@ -111,6 +112,39 @@ def own_step(model, device):
     return STEPS[model][1]
 
 
+def compile_pays(model, device, new, samples=1, prompt=1):
+    """Whether decoding `new` tokens after a prompt of `prompt`, `samples` times, takes less time
+    through the compiled step, its compile counted: generate's choice where it is not told
+    (compile=None). Only the steps that go through it count: with absolute positions those before
+    block_size (past it the context is recomputed at every token, as nanoGPT does). A compile read
+    back from inductor's cache on disk paid for itself within 1,900-5,100 steps, for shakespeare_char's
+    shape and GPT-2 124M's alike, in fp32, int8 and int4 (docs/performance.md). Only for a decoder
+    (or encoder-decoder) on a CPU or CUDA; not with W8A8 weights (int8-dynamic), whose step is slower
+    compiled, nor for a mixture of experts (not measured)."""
+    c = model.config
+    if (device.type not in ("cpu", "cuda") or c.arch == "encoder" or c.n_expert
+            or ATTENTIONS[model.decoder.kind].keeps == "none"
+            or any(isinstance(m, Int8DynamicLinear) for m in model.modules())):
+        return False
+    steps = min(new, c.block_size - prompt) if absolute_positions(c) or c.arch == "prefix-lm" else new
+    return steps * samples >= COMPILE_PAYS_FROM
+
+
+STOP_AFTER = [None]  # tokens after which every generation stops (stopping_after); None: as many as asked for
+
+
+@contextlib.contextmanager
+def stopping_after(n):
+    """Inside, each generation stops after n tokens, its cache sized for all it was asked for: a run of
+    a few steps compiles the step in the shapes of the run to come (each cache size is a graph of its
+    own), as sample.py does before its timing."""
+    STOP_AFTER[0], before = n, STOP_AFTER[0]
+    try:
+        yield
+    finally:
+        STOP_AFTER[0] = before
+
+
 def unguarded(skip):
     """Where skip, the compiled step's guards unchecked, but those that tell its graphs apart: checking
     them all cost about a millisecond a token on a CPU. torch warns that a call the guards would have
@@ -127,12 +161,12 @@ def unguarded(skip):
 
 
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
-             vocab_limit=None, mask=None, compile=False):
+             vocab_limit=None, mask=None, compile=None):
     """Continue idx (B, T) by max_new_tokens sampled tokens -> (B, T + max_new_tokens).
     temperature=0 is greedy. An encoder-decoder encodes src (B, S) once and decodes from idx
     (its start token). Only ids below vocab_limit are drawn (vocab_size is often padded).
     mask (B, T) is False at the left padding of prompts of different lengths. compile: decode
-    through the compiled step."""
+    through the compiled step (True), eager (False), or the one that takes less time (None: compile_pays)."""
     new = generate_tokens(model, idx, max_new_tokens, temperature, top_k, top_p, src, src_mask, vocab_limit, mask,
                           compile)
     return torch.cat([idx, *new], dim=1)
@@ -140,7 +174,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
 
 @torch.no_grad()
 def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, src=None, src_mask=None,
-                    vocab_limit=None, mask=None, compile=False):
+                    vocab_limit=None, mask=None, compile=None):
     """Yield each new token (B, 1) as soon as it is sampled. After a prefill of idx, each step
     feeds only the newest token through the caches, and nothing waits for the device (but a
     mixture of experts, whose routing sizes each expert's batch on the host). A left-padded row
@@ -150,6 +184,7 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         raise ValueError("an encoder does not generate: fill masked tokens with one forward pass")
     if c.arch == "encoder-decoder" and src is None:
         raise ValueError("an encoder-decoder generates from src: generate(model, idx, n, src=src)")
+    compile = compile_pays(model, idx.device, max_new_tokens, prompt=idx.size(1)) if compile is None else compile
     step = own_step(model, idx.device) if compile else decode
     # its guards skipped from the third step while the cache has room (see unguarded): not for experts
     unguardable = compile and not c.n_expert and idx.device.type in SLOTS_IN_USE_ON
@@ -183,7 +218,7 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         for i in range(max_new_tokens):
             idx_next = sample(logits[:, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
             yield idx_next
-            if i == max_new_tokens - 1:
+            if i == min(max_new_tokens, STOP_AFTER[0] or max_new_tokens) - 1:
                 break
             idx = torch.cat((idx, idx_next), dim=1)
             mask = None if mask is None else F.pad(mask, (0, 1), value=True)

@@ -35,7 +35,8 @@ from hf import load_source
 from media import top_classes
 from common import UsageError, check_ranges, parse_settings, read_text_file, renamed, usage
 from device import pick_device, pick_dtype, precision, precision_name, run_script, timed
-from generate import absolute_positions, decode_layout, generate, generate_tokens, speculative_generate
+from generate import (absolute_positions, compile_pays, decode_layout, generate, generate_tokens, speculative_generate,
+                      stopping_after)
 from model import ATTENTIONS
 from pages import write_attention
 from quantize import INT4_GROUP_SIZES, QUANTIZED
@@ -59,7 +60,7 @@ class SampleConfig:
     seed: int = 1337
     device: str = "auto"
     dtype: str = "auto"  # bf16 on GPUs that have it (weights cast once), fp16 (under autocast), fp32 on the CPU
-    compile: bool = False  # torch.compile the one-token decoding step
+    compile: bool | None = None  # torch.compile the one-token decoding step; None: where it pays (compile counted)
     batch: bool = False  # with --start=FILE:..., continue every line of the file, all in one batch
     draft_dir: str = ""  # out_dir of a small model that drafts tokens for speculative decoding
     draft_k: int = 4  # tokens the draft proposes per step
@@ -141,8 +142,7 @@ def main(argv):
     model = decode_layout(model)  # on a CPU, the weights laid out for one token at a time (generate.py)
     prompt = read_prompt(cfg.start)
     if unknown := tok.unknown(prompt.replace(MASK, "")):
-        raise UsageError(f"the prompt has characters the model's vocabulary lacks: {''.join(unknown)!r}; "
-                         "remove or replace them")
+        raise UsageError(f"the prompt has characters the model's vocabulary lacks: {''.join(unknown)!r}; remove them")
     arch, continues = model.config.arch, model.config.arch in ("decoder", "prefix-lm")  # a prompt; else blanks
     if not continues and (cfg.batch or cfg.draft_dir):
         raise UsageError(f"an {arch} fills in blanks, one prompt at a time: leave out --batch and --draft_dir")
@@ -158,9 +158,11 @@ def main(argv):
     else:
         fill = reconstruct if ckpt.get("train_config", {}).get("objective") == "bart" else fill_spans
         mode = partial({"encoder": fill_masks, "encoder-decoder": fill}[arch], special=ckpt["tokens"])
+    if cfg.compile is None:  # the compiled step where it takes less time, its compile counted (a draft: eager)
+        cfg = replace(cfg, compile=draft is None and compile_pays(model, device, cfg.max_new_tokens, cfg.num_samples))
     if cfg.compile:  # compiled (or read back from inductor's cache) before the timing: tokens/s is the step's
-        with autocast, contextlib.redirect_stdout(io.StringIO()):
-            dt = timed(lambda: mode(model, tok, prompt, replace(cfg, max_new_tokens=2), device), device)[1]
+        with autocast, contextlib.redirect_stdout(io.StringIO()), stopping_after(3):  # the run's shapes, 2 steps
+            dt = timed(lambda: mode(model, tok, prompt, cfg, device), device)[1]
         print(f"sample.py: compiled the decode step in {dt:.1f} s", file=sys.stderr)
     torch.manual_seed(cfg.seed)
     with autocast:

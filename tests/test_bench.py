@@ -12,6 +12,7 @@ import torch
 
 import bench
 import common
+import generate
 import kernels
 import train
 from common import UsageError
@@ -51,8 +52,11 @@ def test_bench_sample_prints_what_int8_and_int4_weights_cost_a_run(trained, monk
     assert abs(rows["int8"][0] - rows["fp32"][0]) < 0.01
 
 
-def test_bench_compiled_row_decodes_through_the_compiled_step(monkeypatch):
-    # a stand-in for torch.compile (no compiler needed) that records the cache size of each step it runs
+@pytest.mark.parametrize("compile, pays_from", [(True, 5000), (None, 16)])  # told; untold, where it pays
+def test_bench_compiled_row_decodes_through_the_compiled_step(monkeypatch, compile, pays_from):
+    # a stand-in for torch.compile (no compiler needed) that records the cache size of each step it runs;
+    # untold, compiled rows where the steps of the warm-up and rounds reach COMPILE_PAYS_FROM (8 + 8 here)
+    monkeypatch.setattr(generate, "COMPILE_PAYS_FROM", pays_from)
     stepped = []
     def recording_compile(fn, **kw):
         def step(model, *args, **kwargs):
@@ -62,11 +66,15 @@ def test_bench_compiled_row_decodes_through_the_compiled_step(monkeypatch):
     monkeypatch.setattr(torch, "compile", recording_compile)
     config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
     with redirect_stdout(io.StringIO()) as out:
-        bench.decode_speed(config, torch.device("cpu"), torch.float32, compile=True, new=8, prompt=3, rounds=1)
+        bench.decode_speed(config, torch.device("cpu"), torch.float32, compile=compile, new=8, prompt=3, rounds=1)
     # 7 steps after the prefill, warm-up and round, for fp32, int8, int4 and W8A8; the cache in steps of 256
     assert stepped == [256] * 7 * 2 * 4
     assert {"nanoformer, compiled", "nanoformer, int8, compiled", "nanoformer, int4, compiled",
             "nanoformer, int8-dynamic, compiled"} <= set(table(out.getvalue()))
+    monkeypatch.setattr(generate, "COMPILE_PAYS_FROM", 17)  # one step short: no compiled row
+    with redirect_stdout(io.StringIO()) as out:
+        bench.decode_speed(config, torch.device("cpu"), torch.float32, new=8, prompt=3, rounds=1)
+    assert not any("compiled" in name for name in table(out.getvalue())) and len(stepped) == 7 * 2 * 4
 
 
 def table(text):

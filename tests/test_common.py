@@ -31,6 +31,9 @@ def test_settings_suggest_the_closest_key_and_check_types(tmp_path, refusal):
     assert given == dict(n_kv_head=None, pos="rope", min_lr=0.0, compile=True)
     # a str setting takes its text as it is, even text that reads as a number or None
     assert train_settings(["--out_dir=2024", "--dataset=None"]) == dict(out_dir="2024", dataset="None")
+    # a bare flag switches on a yes/no setting, and one that may also be None (sample.py's compile: None = auto)
+    for argv, value in ((["--compile"], True), (["--compile=False"], False), (["--compile=None"], None)):
+        assert common.parse_settings(argv, sample.SampleConfig)[0] == dict(compile=value)
     # the refusals, as train.py and sample.py meet them (each is one line: the script's __main__
     # prints it after "X.py: error: ", test_every_script_answers_bad_input_in_one_line_with_exit_status_2)
     cases = [

@@ -204,6 +204,29 @@ def test_the_compiled_step_decodes_as_the_plain_one_in_a_cache_of_256_slots(monk
     assert sizes == [256] * 8  # every step after the prefill
 
 
+def test_generate_compiles_by_default_where_the_steps_make_up_for_the_compile(monkeypatch, tiny_model):
+    """Untold (compile=None), generate decodes through the compiled step where the steps that go
+    through it reach COMPILE_PAYS_FROM: past block_size a model of absolute positions recomputes its
+    context, so those steps do not count; nor for W8A8 weights, a mixture of experts, or on other
+    devices. The same tokens either way."""
+    from quantize import quantize_int8_dynamic
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: calls.append(1) or fn(*a))
+    monkeypatch.setattr(generate_module, "COMPILE_PAYS_FROM", 20)
+    pays, cpu = generate_module.compile_pays, torch.device("cpu")
+    rope, learned = tiny_model(pos="rope"), tiny_model(pos="learned")  # block_size 32
+    assert [pays(rope, cpu, n) for n in (19, 20, 500)] == [False, True, True]
+    assert pays(rope, cpu, 10, samples=2) and not pays(rope, cpu, 10, samples=1)
+    assert pays(learned, cpu, 500, prompt=12) and not pays(learned, cpu, 500, prompt=13)  # 20 steps, then 19
+    assert not pays(rope, torch.device("mps"), 500) and not pays(tiny_model(n_expert=4), cpu, 500)
+    assert not pays(quantize_int8_dynamic(tiny_model(pos="rope")), cpu, 500)
+    idx = prompt(3)
+    for new, compiled in ((18, False), (21, True)):
+        calls.clear()
+        assert torch.equal(generate(rope, idx, new, temperature=0), generate(rope, idx, new, temperature=0, compile=False))
+        assert len(calls) == (new - 1 if compiled else 0)  # every step after the prefill, or none
+
+
 def test_the_compiled_step_runs_unguarded_from_its_third_step_until_the_ring_is_full(monkeypatch, tiny_model):
     """Dynamo's guards are skipped (generate.unguarded) only after two steps with full guards (the
     first compiles, the second makes the slots in use a size) and only while the cache has empty

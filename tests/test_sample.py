@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import checkpoint
 import common
+import generate as generate_module
 import sample
 import train
 from data import new_model_config
@@ -161,18 +162,25 @@ def test_sample_batch_gives_each_line_what_it_gets_alone(target_and_draft, sampl
 
 
 def test_a_compiled_sample_times_its_compile_apart_and_samples_what_eager_does(sample_py, monkeypatch):
-    """--compile=True compiles the step before the timing (a warm-up of 2 tokens, its output hidden),
-    says how long that took, and samples with the seed's draws as an eager run does."""
+    """--compile=True compiles the step before the timing (a warm-up of 2 steps in the run's cache
+    size, its output hidden), says how long that took, and samples with the seed's draws as an eager
+    run does. Untold, sample.py compiles where generate.compile_pays says it takes less time."""
     steps = []
     def recording_compile(fn, **kw):  # a stand-in for torch.compile: no compiler needed
-        return lambda *args: steps.append(args[-1]) or fn(*args)
+        return lambda model, *args: steps.append((model.decoder.cache_pos.size(1), args[-1])) or fn(model, *args)
     monkeypatch.setattr(torch, "compile", recording_compile)
     args = ["--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=12", "--seed=3"]
-    eager, _ = sample_py(*args)
+    eager, err = sample_py(*args)
+    assert not steps and err.endswith(", eager)\n")  # 12 steps: too few to make up for a compile
     compiled, err = sample_py(*args, "--compile=True")
-    assert compiled == eager and len(steps) == 1 + 11 and all(isinstance(n, int) for n in steps)
+    assert compiled == eager and len(steps) == 2 + 11 and all(isinstance(n, int) for _, n in steps)
+    assert len({size for size, _ in steps}) == 1  # the warm-up's cache is the run's
     assert re.fullmatch(LOADED + r"sample.py: compiled the decode step in [\d.]+ s\n"
                         r"sample.py: 12 tokens in [\d.]+ s, [\d.,]+ tokens/s \(decoder, cpu, float32 weights, compiled step\)\n", err)
+    for pays_from, path in ((12 * 2, "compiled step"), (12 * 2 + 1, "eager")):  # two samples of 12 steps
+        monkeypatch.setattr(generate_module, "COMPILE_PAYS_FROM", pays_from)
+        out, err = sample_py(*args, "--num_samples=2")
+        assert err.endswith(f", {path})\n") and out.split(SEP)[0] + SEP == eager
 
 
 def test_sample_with_a_draft_prints_the_acceptance_rate_and_the_target_text(sample_py):

@@ -78,7 +78,7 @@ if __name__ == "__main__":
     assert idx.size(1) + NEW < min(size, model.config.block_size), "NEW: at most 1007 (the export takes size - 1 slots)"
     runner, compile_s = aoti_step(model, size)
     print(f"export and AOT compile: {compile_s:.1f} s ({size} slots)")
-    paths = {"eager": lambda: generate(model, idx, NEW, temperature=0),
+    paths = {"eager": lambda: generate(model, idx, NEW, temperature=0, compile=False),
              "torch.compile": lambda: generate(model, idx, NEW, temperature=0, compile=True),
              "AOTInductor": lambda: aoti_generate(runner, idx, NEW, size)}
     times, outs = {}, {}

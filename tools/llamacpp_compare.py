@@ -46,6 +46,8 @@ def llama_greedy(path, ids, n):
 
 PROMPT = "ROMEO: what say you"
 DIR = sys.argv[1]
+if unknown := set(sys.argv[2:]) - {"speed", "compile", "aoti", "f32", "q8_0", "q4_0"}:
+    sys.exit(f"llamacpp_compare.py: unknown words {sorted(unknown)}: give speed, compile, aoti, f32, q8_0 or q4_0")
 for name, run in (() if "speed" in sys.argv else (("gpt2", "out-bpe-gpt2"), ("llama", "out-bpe-llama"))):
     ids, ours = ours_greedy(run, PROMPT, 40)
     lids, theirs = llama_greedy(f"{DIR}/{name}-f32.gguf", ids, 40)
@@ -73,12 +75,12 @@ if "speed" in sys.argv:
     model = hf.from_pretrained(f"{DIR}/gpt2-124m")
     model = decode_layout(for_sampling(model, dict(meta=dict(tokenizer="char", vocab=["a"])), torch.device("cpu"))[0])
     idx = torch.arange(100, 116)[None]
-    runs["nanoformer fp32"] = lambda: generate(model, idx, 256, temperature=0)
+    runs["nanoformer fp32"] = lambda: generate(model, idx, 256, temperature=0, compile=False)
     from quantize import quantize_int4, quantize_int8, quantize_int8_dynamic
     models = {"fp32": model}
     for q, f in (("int8", quantize_int8), ("int4 g128", quantize_int4), ("int8-dynamic", quantize_int8_dynamic)):
         m = f(hf.from_pretrained(f"{DIR}/gpt2-124m")).eval()
-        runs[f"nanoformer {q}"] = lambda m=m: generate(m, idx, 256, temperature=0)
+        runs[f"nanoformer {q}"] = lambda m=m: generate(m, idx, 256, temperature=0, compile=False)
         models[q] = m
     only = [a for a in sys.argv[2:] if a in ("f32", "q8_0", "q4_0")]  # a format alone, if named
     mine = {"f32": ("fp32",), "q8_0": ("int8", "int8-dynamic"), "q4_0": ("int4 g128",)}

@@ -52,14 +52,14 @@ times, out = {name: [] for name in decoders}, {}
 with torch.no_grad():
     full = model(idx)[0]
     for name, m in decoders.items():
-        out[name] = generate(m, idx, NEW, temperature=0)
+        out[name] = generate(m, idx, NEW, temperature=0, compile=False)
         logits = m(idx)[0]
         print(f"{name}: logits max |diff| / max |fp32| = {((logits - full).abs().max() / full.abs().max()).item():.4f}, "
               f"greedy tokens equal to fp32's: {(out[name] == out['fp32 (decode_layout)']).float().mean().item():.2f}")
     for _ in range(ROUNDS):
         for name, m in decoders.items():
             t = time.perf_counter()
-            generate(m, idx, NEW, temperature=0)
+            generate(m, idx, NEW, temperature=0, compile=False)
             times[name].append(time.perf_counter() - t)
 cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
 print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; 16-token prompt, {NEW} new tokens, "
