@@ -25,7 +25,7 @@ from quantize import Int8DynamicLinear, plain_linear, replace_linears
 from sampling import draw, sample, sampling_probs
 
 COMPILE_PAYS_FROM = 5_000  # decoding steps from which the compiled step makes up for its compile (compile_pays)
-COMPILED_CACHE_STEP = 256  # a compiled step's cache sizes come in steps of this, so other prompts reuse its graph
+COMPILED_CACHE_STEP = 256  # a compiled step's least cache size, and on a GPU the step between sizes (compiled_size)
 SLOTS_IN_USE_ON = ("cpu",)  # devices whose passes read only the cache's slots in use: a GPU reads every slot, so
 # that each step has one shape, replayed as a CUDA graph; a CPU skips reading the empty ones
 
@@ -43,6 +43,17 @@ def cache_size(model, prompt, new, step=1):
     r = reach(model.config)
     size = model.config.n_global + min(prompt + new, r) + (r if prompt > r else 0)
     return step * math.ceil(size / step)
+
+
+def compiled_size(size, device):
+    """The slots of a compiled step's cache that holds `size`: rounded up so that other lengths reuse its
+    graph, since each size is a graph of its own (dynamo keeps a module buffer's size static), and a
+    step stops compiling after torch._dynamo.config.recompile_limit of them. On a GPU, which reads
+    every slot, to a multiple of COMPILED_CACHE_STEP; on a CPU, which reads the slots in use only (so
+    empty ones cost memory, no time), to a power of two, at least COMPILED_CACHE_STEP."""
+    if device.type in SLOTS_IN_USE_ON:
+        return max(COMPILED_CACHE_STEP, 1 << (size - 1).bit_length())
+    return COMPILED_CACHE_STEP * math.ceil(size / COMPILED_CACHE_STEP)
 
 
 def piece_size(model, T, first=False):
@@ -198,7 +209,8 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
     restart = absolute_positions(c) or c.arch == "prefix-lm"
     crop = slice(-c.block_size, None) if restart or recompute else slice(None)
     prompt = idx.size(1)  # a prefix LM's prefix: the prompt, read both ways
-    size = cache_size(model, idx[:, crop].size(1), max_new_tokens, COMPILED_CACHE_STEP if compile else 1)
+    size = cache_size(model, idx[:, crop].size(1), max_new_tokens)
+    size = compiled_size(size, idx.device) if compile else size
 
     def start(idx, mask):  # the prompt (cropped) into fresh caches: the logits after it, its last position,
         # and the tokens in the cache

@@ -204,6 +204,15 @@ def test_the_compiled_step_decodes_as_the_plain_one_in_a_cache_of_256_slots(monk
     assert sizes == [256] * 8  # every step after the prefill
 
 
+def test_a_compiled_cache_comes_in_few_sizes_each_its_own_graph():
+    """Rounded up: on a CPU (which reads the slots in use only) to a power of two, so that a process
+    compiles a few sizes at most; on a GPU (which reads every slot) to a multiple of 256."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # a device object: no GPU needed
+    lengths = (1, 256, 257, 600, 1500, 5000)
+    assert [generate_module.compiled_size(n, cpu) for n in lengths] == [256, 256, 512, 1024, 2048, 8192]
+    assert [generate_module.compiled_size(n, gpu) for n in lengths] == [256, 256, 512, 768, 1536, 5120]
+
+
 def test_generate_compiles_by_default_where_the_steps_make_up_for_the_compile(monkeypatch, tiny_model):
     """Untold (compile=None), generate decodes through the compiled step where the steps that go
     through it reach COMPILE_PAYS_FROM: past block_size a model of absolute positions recomputes its

@@ -31,7 +31,7 @@ models = {"int8": quantize_int8(copy.deepcopy(fp32)), "int4 g128": quantize_int4
           "fp32": decode_layout(fp32)}
 idx = torch.randint(0, 50257, (1, 16))
 print(f"{NEW} tokens after 16, {torch.get_num_threads()} threads, torch {torch.__version__}; ms a token "
-      f"(the compiled step's cache: {G.cache_size(fp32, 16, NEW, G.COMPILED_CACHE_STEP)} slots, eager's "
+      f"(the compiled step's cache: {G.compiled_size(G.cache_size(fp32, 16, NEW), torch.device('cpu'))} slots, eager's "
       f"{16 + NEW})")
 print(f"{'weights':<22} | {'tokens/s':>8} | {'products':>8} | {'attention':>9} | {'the rest':>8}")
 with torch.no_grad():
