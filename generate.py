@@ -12,6 +12,7 @@ matrix-vector products, which sample.py and bench.py apply.
 import contextlib
 import math
 import os
+import shutil
 import types
 import weakref
 
@@ -24,7 +25,7 @@ from model import ATTENTIONS, autocast_dtype, reach
 from quantize import Int8DynamicLinear, plain_linear, replace_linears
 from sampling import draw, sample, sampling_probs
 
-COMPILE_PAYS_FROM = 5_000  # decoding steps from which the compiled step makes up for its compile (compile_pays)
+COMPILE_PAYS_FROM = 5_000  # new tokens from which the compiled step makes up for its compile (compile_pays)
 COMPILED_CACHE_STEP = 256  # a compiled step's least cache size, and on a GPU the step between sizes (compiled_size)
 SLOTS_IN_USE_ON = ("cpu",)  # devices whose passes read only the cache's slots in use: a GPU reads every slot, so
 # that each step has one shape, replayed as a CUDA graph; a CPU skips reading the empty ones
@@ -50,7 +51,8 @@ def compiled_size(size, device):
     graph, since each size is a graph of its own (dynamo keeps a module buffer's size static), and a
     step stops compiling after torch._dynamo.config.recompile_limit of them. On a GPU, which reads
     every slot, to a multiple of COMPILED_CACHE_STEP; on a CPU, which reads the slots in use only (so
-    empty ones cost memory, no time), to a power of two, at least COMPILED_CACHE_STEP."""
+    empty ones cost memory, no time), to a power of two, at least COMPILED_CACHE_STEP. generate_tokens
+    caps it at the full ring's size: a ring that wraps reads every slot."""
     if device.type in SLOTS_IN_USE_ON:
         return max(COMPILED_CACHE_STEP, 1 << (size - 1).bit_length())
     return COMPILED_CACHE_STEP * math.ceil(size / COMPILED_CACHE_STEP)
@@ -126,29 +128,33 @@ def own_step(model, device):
 def compile_pays(model, device, new, samples=1, prompt=1):
     """Whether decoding `new` tokens after a prompt of `prompt`, `samples` times, takes less time
     through the compiled step, its compile counted: generate's choice where it is not told
-    (compile=None). Only the steps that go through it count: with absolute positions those before
-    block_size (past it the context is recomputed at every token, as nanoGPT does). A compile read
-    back from inductor's cache on disk paid for itself within 1,900-5,100 steps, for shakespeare_char's
-    shape and GPT-2 124M's alike, in fp32, int8 and int4 (docs/performance.md). Only for a decoder
-    (or encoder-decoder) on a CPU or CUDA; not with W8A8 weights (int8-dynamic), whose step is slower
-    compiled, nor for a mixture of experts (not measured)."""
+    (compile=None). Only the tokens decoded through the cache count: with absolute positions (or a
+    prefix LM's) those before block_size (past it the context is recomputed at every token, as nanoGPT
+    does). A compile read back from inductor's cache on disk paid for itself within 1,900-5,100
+    tokens on a CPU, for shakespeare_char's shape and GPT-2 124M's alike, in fp32, int8 and int4
+    (docs/performance.md); on CUDA the same count is taken unmeasured. Only for a decoder (or
+    encoder-decoder) on a CUDA GPU or a CPU with a C++ compiler (inductor's); not for an attention
+    that keeps nothing, W8A8 weights (int8-dynamic, slower compiled), or a mixture of experts (not
+    measured)."""
     c = model.config
-    if (device.type not in ("cpu", "cuda") or c.arch == "encoder" or c.n_expert
+    compiler = device.type == "cuda" or any(map(shutil.which, (os.environ.get("CXX", "g++"), "g++", "clang++")))
+    if (device.type not in ("cpu", "cuda") or not compiler or c.arch == "encoder" or c.n_expert
             or ATTENTIONS[model.decoder.kind].keeps == "none"
             or any(isinstance(m, Int8DynamicLinear) for m in model.modules())):
         return False
-    steps = min(new, c.block_size - prompt) if absolute_positions(c) or c.arch == "prefix-lm" else new
-    return steps * samples >= COMPILE_PAYS_FROM
+    tokens = min(new, c.block_size - prompt) if absolute_positions(c) or c.arch == "prefix-lm" else new
+    return tokens * samples >= COMPILE_PAYS_FROM
 
 
-STOP_AFTER = [None]  # tokens after which every generation stops (stopping_after); None: as many as asked for
+STOP_AFTER = [None]  # tokens after which a generation stops (stopping_after); None: as many as asked for
 
 
 @contextlib.contextmanager
 def stopping_after(n):
-    """Inside, each generation stops after n tokens, its cache sized for all it was asked for: a run of
-    a few steps compiles the step in the shapes of the run to come (each cache size is a graph of its
-    own), as sample.py does before its timing."""
+    """Inside (process-wide), a generation of generate_tokens that starts there stops after n >= 1
+    tokens, its cache sized for all it was asked for: a run of a few steps compiles the step in the
+    shapes of the run to come (each cache size is a graph of its own), as sample.py does before its
+    timing. Speculative decoding takes no compiled step and ignores it."""
     STOP_AFTER[0], before = n, STOP_AFTER[0]
     try:
         yield
@@ -177,7 +183,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
     temperature=0 is greedy. An encoder-decoder encodes src (B, S) once and decodes from idx
     (its start token). Only ids below vocab_limit are drawn (vocab_size is often padded).
     mask (B, T) is False at the left padding of prompts of different lengths. compile: decode
-    through the compiled step (True), eager (False), or the one that takes less time (None: compile_pays)."""
+    through the compiled step (True), eager (False), or the one that takes less time (None: compile_pays).
+    Inside stopping_after(n), n new tokens at most."""
     new = generate_tokens(model, idx, max_new_tokens, temperature, top_k, top_p, src, src_mask, vocab_limit, mask,
                           compile)
     return torch.cat([idx, *new], dim=1)
@@ -210,7 +217,9 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
     crop = slice(-c.block_size, None) if restart or recompute else slice(None)
     prompt = idx.size(1)  # a prefix LM's prefix: the prompt, read both ways
     size = cache_size(model, idx[:, crop].size(1), max_new_tokens)
-    size = compiled_size(size, idx.device) if compile else size
+    if compile:  # in few sizes, but none past the full ring's, all of whose slots a wrapped ring reads
+        size = min(compiled_size(size, idx.device), cache_size(model, idx[:, crop].size(1), reach(c)))
+    stop = max_new_tokens if STOP_AFTER[0] is None else min(max_new_tokens, STOP_AFTER[0])
 
     def start(idx, mask):  # the prompt (cropped) into fresh caches: the logits after it, its last position,
         # and the tokens in the cache
@@ -230,7 +239,7 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         for i in range(max_new_tokens):
             idx_next = sample(logits[:, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
             yield idx_next
-            if i == min(max_new_tokens, STOP_AFTER[0] or max_new_tokens) - 1:
+            if i == stop - 1:
                 break
             idx = torch.cat((idx, idx_next), dim=1)
             mask = None if mask is None else F.pad(mask, (0, 1), value=True)

@@ -158,8 +158,9 @@ def main(argv):
     else:
         fill = reconstruct if ckpt.get("train_config", {}).get("objective") == "bart" else fill_spans
         mode = partial({"encoder": fill_masks, "encoder-decoder": fill}[arch], special=ckpt["tokens"])
-    if cfg.compile is None:  # the compiled step where it takes less time, its compile counted (a draft: eager)
-        cfg = replace(cfg, compile=draft is None and compile_pays(model, device, cfg.max_new_tokens, cfg.num_samples))
+    prompt_len = continues and len(tok.encode(prompt, special=True))  # (a batch file's: all its lines)
+    pays = continues and compile_pays(model, device, cfg.max_new_tokens, cfg.num_samples, prompt_len)
+    cfg = replace(cfg, compile=draft is None and (pays if cfg.compile is None else cfg.compile))  # a draft: eager
     if cfg.compile:  # compiled (or read back from inductor's cache) before the timing: tokens/s is the step's
         with autocast, contextlib.redirect_stdout(io.StringIO()), stopping_after(3):  # the run's shapes, 2 steps
             dt = timed(lambda: mode(model, tok, prompt, cfg, device), device)[1]
@@ -179,8 +180,7 @@ def main(argv):
     return 0
 
 
-def write(text):
-    print(text, end="", flush=True)  # the sample streams as it is made
+write = partial(print, end="", flush=True)  # the sample streams as it is made
 
 
 def read_prompt(start):

@@ -192,16 +192,21 @@ def test_gqa_cache_is_n_head_over_n_kv_head_times_smaller(tiny_model):
     assert cache_numel(8) == 4 * cache_numel(2) == 8 * cache_numel(1)
 
 
-def test_the_compiled_step_decodes_as_the_plain_one_in_a_cache_of_256_slots(monkeypatch, tiny_model):
-    """generate(compile=True) steps through torch.compile's decode (a stand-in here: no compiler),
-    in a cache rounded up to 256 slots, so that other prompts reuse its graph: the same tokens."""
+def test_the_compiled_step_decodes_as_the_plain_one_in_a_cache_rounded_up_to_the_full_ring(monkeypatch, tiny_model):
+    """generate(compile=True) steps through torch.compile's decode (a stand-in here: no compiler), in a
+    cache rounded up (compiled_size: 256 slots here) so that other prompts reuse its graph, but never
+    past the full ring's size (block_size 32; a window of 8 and 2 global tokens: 10), whose every slot
+    a wrapped ring reads: the same tokens."""
     sizes = []
     def recording_compile(fn, **kw):
         return lambda model, *args: (sizes.append(model.decoder.cache_pos.size(1)), fn(model, *args))[1]
     monkeypatch.setattr(torch, "compile", recording_compile)
-    model, idx = tiny_model(pos="rope"), prompt(5)
-    assert torch.equal(generate(model, idx, 9, temperature=0, compile=True), generate(model, idx, 9, temperature=0))
-    assert sizes == [256] * 8  # every step after the prefill
+    idx = prompt(5)
+    for kw, size in ((dict(block_size=1024), 256), ({}, 32), (dict(window=8, n_global=2), 10)):
+        sizes.clear()
+        model = tiny_model(pos="rope", **kw)
+        assert torch.equal(generate(model, idx, 9, temperature=0, compile=True), generate(model, idx, 9, temperature=0))
+        assert sizes == [size] * 8  # every step after the prefill
 
 
 def test_a_compiled_cache_comes_in_few_sizes_each_its_own_graph():
@@ -213,11 +218,12 @@ def test_a_compiled_cache_comes_in_few_sizes_each_its_own_graph():
     assert [generate_module.compiled_size(n, gpu) for n in lengths] == [256, 256, 512, 768, 1536, 5120]
 
 
-def test_generate_compiles_by_default_where_the_steps_make_up_for_the_compile(monkeypatch, tiny_model):
-    """Untold (compile=None), generate decodes through the compiled step where the steps that go
-    through it reach COMPILE_PAYS_FROM: past block_size a model of absolute positions recomputes its
-    context, so those steps do not count; nor for W8A8 weights, a mixture of experts, or on other
-    devices. The same tokens either way."""
+def test_generate_compiles_by_default_where_the_tokens_make_up_for_the_compile(monkeypatch, tiny_model):
+    """Untold (compile=None), generate decodes through the compiled step where the tokens decoded
+    through the cache reach COMPILE_PAYS_FROM: past block_size a model of absolute positions (or a
+    prefix LM) recomputes its context, so those do not count; never for an encoder, an attention that
+    keeps nothing, W8A8 weights, a mixture of experts, on other devices or without a C++ compiler.
+    The same tokens either way."""
     from quantize import quantize_int8_dynamic
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: calls.append(1) or fn(*a))
@@ -226,14 +232,40 @@ def test_generate_compiles_by_default_where_the_steps_make_up_for_the_compile(mo
     rope, learned = tiny_model(pos="rope"), tiny_model(pos="learned")  # block_size 32
     assert [pays(rope, cpu, n) for n in (19, 20, 500)] == [False, True, True]
     assert pays(rope, cpu, 10, samples=2) and not pays(rope, cpu, 10, samples=1)
-    assert pays(learned, cpu, 500, prompt=12) and not pays(learned, cpu, 500, prompt=13)  # 20 steps, then 19
-    assert not pays(rope, torch.device("mps"), 500) and not pays(tiny_model(n_expert=4), cpu, 500)
+    assert pays(learned, cpu, 500, prompt=12) and not pays(learned, cpu, 500, prompt=13)  # 20 tokens, then 19
+    prefix_lm = tiny_model(arch="prefix-lm", pos="rope")
+    assert pays(prefix_lm, cpu, 500, prompt=12) and not pays(prefix_lm, cpu, 500, prompt=13)
+    assert pays(tiny_model(arch="encoder-decoder", pos="relative"), cpu, 20)
+    never = (dict(arch="encoder"), dict(attention="lsh", bucket_size=8), dict(n_expert=4))
+    assert not any(pays(tiny_model(**kw), cpu, 500) for kw in never)
+    assert not pays(rope, torch.device("mps"), 500)
     assert not pays(quantize_int8_dynamic(tiny_model(pos="rope")), cpu, 500)
+    with monkeypatch.context() as m:
+        m.setattr(generate_module.shutil, "which", lambda name: None)  # no C++ compiler for inductor
+        assert not pays(rope, cpu, 500) and pays(rope, torch.device("cuda"), 500)  # (a device object only)
     idx = prompt(3)
-    for new, compiled in ((18, False), (21, True)):
+    for new, compiled in ((19, False), (20, True)):
         calls.clear()
-        assert torch.equal(generate(rope, idx, new, temperature=0), generate(rope, idx, new, temperature=0, compile=False))
+        untold, eager = (generate(rope, idx, new, temperature=0, compile=c) for c in (None, False))
+        assert torch.equal(untold, eager)
         assert len(calls) == (new - 1 if compiled else 0)  # every step after the prefill, or none
+
+
+def test_stopping_after_ends_a_generation_early_in_the_cache_of_the_whole(monkeypatch, tiny_model):
+    """Inside stopping_after(n), a generation yields n tokens, the first n of the whole run's, through a
+    cache sized for all it was asked for; afterwards, even after an error inside, generations run whole."""
+    sizes = []
+    real = generate_module.prefill
+    monkeypatch.setattr(generate_module, "prefill", lambda model, *a: sizes.append(model.decoder.cache_pos.size(1))
+                        or real(model, *a))
+    model, idx = tiny_model(pos="rope"), prompt(4)
+    whole = generate(model, idx, 20, temperature=0)
+    with generate_module.stopping_after(3):
+        short = generate(model, idx, 20, temperature=0)
+    assert torch.equal(short, whole[:, :4 + 3]) and sizes == [24, 24]
+    with pytest.raises(KeyError), generate_module.stopping_after(2):
+        raise KeyError
+    assert torch.equal(generate(model, idx, 20, temperature=0), whole)
 
 
 def test_the_compiled_step_runs_unguarded_from_its_third_step_until_the_ring_is_full(monkeypatch, tiny_model):
@@ -247,21 +279,22 @@ def test_the_compiled_step_runs_unguarded_from_its_third_step_until_the_ring_is_
         return fn
     monkeypatch.setattr(torch, "compile", recording_compile)
     skipping = torch._dynamo.eval_frame._is_skip_guard_eval_unsafe_stance
-    for kw, new in ((dict(n_expert=2), 9), (dict(pos="rope"), 9), (dict(pos="relative", window=4), 300)):
-        model, steps = tiny_model(**kw), []  # the last: a ring of 256 slots, full
-        model.register_forward_pre_hook(lambda m, a, k: steps.append((k["slots_used"], skipping())), with_kwargs=True)
+    for kw, new in ((dict(n_expert=2), 9), (dict(pos="rope"), 9), (dict(pos="relative", window=16), 300)):
+        model, steps = tiny_model(**kw), []  # the last: a ring of 16 slots (a window of 16), full
+        model.register_forward_pre_hook(lambda m, a, k: steps.append((k["slots_used"], skipping(),
+                                                                      m.decoder.cache_pos.size(1))), with_kwargs=True)
         eager = generate(model, prompt(5), new, temperature=0)
-        assert not any(skip for _, skip in steps)
+        assert not any(skip for _, skip, _ in steps)
         for stance in ("default", "eager_on_recompile"):
             steps.clear()
             with torch.compiler.set_stance(stance):
                 assert torch.equal(generate(model, prompt(5), new, temperature=0, compile=True), eager)
-            used = [n for n, _ in steps[1:]]  # each step after the prefill
+            used = [(n, size) for n, _, size in steps[1:]]  # each step after the prefill
             fast = stance == "default" and not model.config.n_expert
-            rule = [fast and i >= 2 and n < 256 for i, n in enumerate(used)]
-            assert [skip for _, skip in steps[1:]] == rule and not skipping()
+            rule = [fast and i >= 2 and n < size for i, (n, size) in enumerate(used)]
+            assert [skip for _, skip, _ in steps[1:]] == rule and not skipping()
             assert any(rule) or stance != "default" or model.config.n_expert
-    assert used[-1] == 256 and options[0] == dict(options=dict(cpp_wrapper=True))  # inductor's kernels from C++
+    assert used[-1] == (16, 16) and options[0] == dict(options=dict(cpp_wrapper=True))  # inductor's kernels from C++
 
 
 def test_each_model_compiles_a_step_of_its_own_and_keeps_it(monkeypatch, tiny_model):

@@ -169,6 +169,7 @@ def test_a_compiled_sample_times_its_compile_apart_and_samples_what_eager_does(s
     def recording_compile(fn, **kw):  # a stand-in for torch.compile: no compiler needed
         return lambda model, *args: steps.append((model.decoder.cache_pos.size(1), args[-1])) or fn(model, *args)
     monkeypatch.setattr(torch, "compile", recording_compile)
+    monkeypatch.setattr(generate_module, "COMPILED_CACHE_STEP", 4)  # a 2-token warm-up's cache: 8 slots, the run's 16
     args = ["--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=12", "--seed=3"]
     eager, err = sample_py(*args)
     assert not steps and err.endswith(", eager)\n")  # 12 steps: too few to make up for a compile
@@ -177,10 +178,13 @@ def test_a_compiled_sample_times_its_compile_apart_and_samples_what_eager_does(s
     assert len({size for size, _ in steps}) == 1  # the warm-up's cache is the run's
     assert re.fullmatch(LOADED + r"sample.py: compiled the decode step in [\d.]+ s\n"
                         r"sample.py: 12 tokens in [\d.]+ s, [\d.,]+ tokens/s \(decoder, cpu, float32 weights, compiled step\)\n", err)
-    for pays_from, path in ((12 * 2, "compiled step"), (12 * 2 + 1, "eager")):  # two samples of 12 steps
+    for pays_from, path in ((12 * 2, "compiled step"), (12 * 2 + 1, "eager")):  # two samples of 12 tokens
         monkeypatch.setattr(generate_module, "COMPILE_PAYS_FROM", pays_from)
         out, err = sample_py(*args, "--num_samples=2")
         assert err.endswith(f", {path})\n") and out.split(SEP)[0] + SEP == eager
+    steps.clear()  # a draft decodes without the compiled step, told or not: no warm-up, the summary says eager
+    _, err = sample_py(*args, "--compile=True", "--draft_dir=out-draft")
+    assert not steps and "compiled" not in err and ", eager); draft tokens accepted" in err
 
 
 def test_sample_with_a_draft_prints_the_acceptance_rate_and_the_target_text(sample_py):

@@ -38,4 +38,4 @@ with torch.no_grad():
 eager, compiled = max(rates[False]), max(rates[True])
 saved = 1 / eager - 1 / compiled  # seconds a token
 print(f"{shape} {fmt}, {NEW} tokens, {torch.get_num_threads()} threads: compile {compile_s:.1f} s, eager {eager:.1f}, "
-      f"compiled {compiled:.1f} tokens/s: " + (f"pays from {compile_s / saved:,.0f} steps" if saved > 0 else "never pays"))
+      f"compiled {compiled:.1f} tokens/s: " + (f"pays from {compile_s / saved:,.0f} tokens" if saved > 0 else "never pays"))
