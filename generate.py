@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from common import CACHE
 from model import ATTENTIONS, autocast_dtype, reach
-from quantize import Int8DynamicLinear, plain_linear, replace_linears
+from quantize import plain_linear, replace_linears
 from sampling import draw, sample, sampling_probs
 
 COMPILE_PAYS_FROM = 5_000  # new tokens from which the compiled step makes up for its compile (compile_pays)
@@ -134,13 +134,11 @@ def compile_pays(model, device, new, samples=1, prompt=1):
     tokens on a CPU, for shakespeare_char's shape and GPT-2 124M's alike, in fp32, int8 and int4
     (docs/performance.md); on CUDA the same count is taken unmeasured. Only for a decoder (or
     encoder-decoder) on a CUDA GPU or a CPU with a C++ compiler (inductor's); not for an attention
-    that keeps nothing, W8A8 weights (int8-dynamic, slower compiled), or a mixture of experts (not
-    measured)."""
+    that keeps nothing or a mixture of experts (not measured)."""
     c = model.config
     compiler = device.type == "cuda" or any(map(shutil.which, (os.environ.get("CXX", "g++"), "g++", "clang++")))
     if (device.type not in ("cpu", "cuda") or not compiler or c.arch == "encoder" or c.n_expert
-            or ATTENTIONS[model.decoder.kind].keeps == "none"
-            or any(isinstance(m, Int8DynamicLinear) for m in model.modules())):
+            or ATTENTIONS[model.decoder.kind].keeps == "none"):
         return False
     tokens = min(new, c.block_size - prompt) if absolute_positions(c) or c.arch == "prefix-lm" else new
     return tokens * samples >= COMPILE_PAYS_FROM

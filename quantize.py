@@ -9,7 +9,9 @@ fp32 activations take a scalar loop, 4x (int8) and 9x (int4) slower than fp32's 
 measurements: docs/performance.md). Each kernel accumulates in fp32 and rounds its output
 to bf16; the result comes back in the dtype the layer was called with."""
 
+import itertools
 import warnings
+import weakref
 
 import torch
 import torch.nn as nn
@@ -118,13 +120,44 @@ class Int8DynamicLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float().cpu()
         self.packed = torch.ops.quantized.linear_prepack(q, bias)  # what the kernel reads
         self.register_buffer("weight", q.int_repr())  # the same int8 weights, as the other layers show theirs
-        self.out_features = w.size(0)
+        self.out_features, self.key = w.size(0), register_w8a8(self)
+
+    def __setstate__(self, state):  # a copy (copy.deepcopy, pickle) is a layer of its own to w8a8_linear
+        super().__setstate__(state)
+        self.key = register_w8a8(self)
 
     def forward(self, x):
         if x.device.type != "cpu":
             raise RuntimeError(f"Int8DynamicLinear runs on a CPU, not {x.device}: --quantize=int8 or int4 there")
-        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.size(-1)).float(), self.packed, False)
+        rows = x.reshape(-1, x.size(-1)).float()
+        if torch.compiler.is_compiling():  # see w8a8_linear
+            y = w8a8_linear(rows, self.weight, self.key)
+        else:
+            y = torch.ops.quantized.linear_dynamic(rows, self.packed, False)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+W8A8_LAYERS, W8A8_KEYS = weakref.WeakValueDictionary(), itertools.count()  # key -> Int8DynamicLinear
+
+
+def register_w8a8(layer):
+    key = next(W8A8_KEYS)
+    W8A8_LAYERS[key] = layer
+    return key
+
+
+# The product of the Int8DynamicLinear registered as `key`, as an operator of its own for torch.compile:
+# dynamo cannot trace the packed weights (a torchbind object), so calling the kernel itself broke the
+# compiled step's graph at every layer, slower than eager (docs/performance.md). weight, the layer's int8
+# weights, ties the call to the layer in the graph. Eager calls the kernel: an operator's call costs more.
+@torch.library.custom_op("nanoformer::w8a8_linear", mutates_args=())
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic(x, W8A8_LAYERS[key].packed, False)
+
+
+@w8a8_linear.register_fake
+def _(x, weight, key):
+    return x.new_empty(x.size(0), weight.size(0))
 
 
 QUANTIZED = (Int8Linear, Int4Linear, Int8DynamicLinear)  # the layers that quantize_* put in

@@ -67,17 +67,16 @@ def test_bench_compiled_row_decodes_through_the_compiled_step(monkeypatch, compi
     config = ModelConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
     with redirect_stdout(io.StringIO()) as out:
         bench.decode_speed(config, torch.device("cpu"), torch.float32, compile=compile, new=8, prompt=3, rounds=1)
-    # 7 steps after the prefill, warm-up and round, for fp32, int8, int4 and, told, W8A8 (untold: slower compiled);
-    # the cache rounded up to its full ring (block_size 64)
-    told = compile is True
-    assert stepped == [64] * 7 * 2 * (4 if told else 3)
+    # 7 steps after the prefill, warm-up and round, for fp32, int8, int4 and W8A8; the cache rounded up to its
+    # full ring (block_size 64)
+    assert stepped == [64] * 7 * 2 * 4
     compiled = {name for name in table(out.getvalue()) if name.endswith(", compiled")}
     assert compiled == {"nanoformer, compiled", "nanoformer, int8, compiled", "nanoformer, int4, compiled",
-                        *(["nanoformer, int8-dynamic, compiled"] if told else [])}
+                        "nanoformer, int8-dynamic, compiled"}
     monkeypatch.setattr(generate, "COMPILE_PAYS_FROM", 17)  # one step short: no compiled row
     with redirect_stdout(io.StringIO()) as out:
         bench.decode_speed(config, torch.device("cpu"), torch.float32, new=8, prompt=3, rounds=1)
-    assert not any("compiled" in name for name in table(out.getvalue())) and len(stepped) == 7 * 2 * (4 if told else 3)
+    assert not any("compiled" in name for name in table(out.getvalue())) and len(stepped) == 7 * 2 * 4
 
 
 def table(text):

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import generate as generate_module
+import quantize as quantize_module
 from generate import generate
 from lora import LoRALinear
 from generate import SplitLinear, decode_layout
@@ -218,8 +219,29 @@ def test_a_quantized_mixture_of_experts_decodes_though_most_experts_get_no_token
     assert generate(model, prompt(3, B=1), 4, temperature=0).shape == (1, 7)  # one token a step: 3 experts idle
 
 
+def test_a_w8a8_step_compiles_into_one_graph_and_a_copied_layer_is_one_of_its_own(tiny_model):
+    """dynamo cannot trace the W8A8 kernel's packed weights: the compiled step calls each layer's
+    product as one operator (quantize.w8a8_linear), so the step is one graph, not one a layer. A copy
+    of a layer registers itself under a key of its own, and computes what the original does."""
+    model, idx = quantize_int8_dynamic(tiny_model(pos="rope")), prompt(4)
+    model.setup_kv_cache(1, 16)
+    with torch.no_grad():
+        generate_module.prefill(model, idx, torch.arange(4)[None])
+        explained = torch._dynamo.explain(generate_module.decode)(model, idx[:, -1:], torch.tensor([[4]]), None, 5)
+    model.clear_kv_cache()
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    layer = model.lm_head
+    twin = copy.deepcopy(layer)
+    x = torch.randn(3, 32)
+    assert twin.key != layer.key and quantize_module.W8A8_LAYERS[twin.key] is twin
+    with torch.no_grad():
+        assert torch.equal(twin(x), layer(x)) and torch.equal(quantize_module.w8a8_linear(x, twin.weight, twin.key),
+                                                               layer(x))
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
-@pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32)], ids=["int8", "int4"])
+@pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32), quantize_int8_dynamic],
+                         ids=["int8", "int4", "int8-dynamic"])
 def test_a_quantized_model_decodes_the_same_through_the_compiled_step(tiny_model, quantize):
     model, idx = quantize(tiny_model(pos="rope")), prompt(4)  # inductor lowers torch's kernels itself
     assert torch.equal(generate(model, idx, 6, temperature=0, compile=True), generate(model, idx, 6, temperature=0))

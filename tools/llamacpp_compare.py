@@ -86,10 +86,9 @@ if "speed" in sys.argv:
     mine = {"f32": ("fp32",), "q8_0": ("int8", "int8-dynamic"), "q4_0": ("int4 g128",)}
     keep = [f"llama.cpp {t}" for t in only] + [f"nanoformer {q}" for t in only for q in mine[t]]
     weights = lambda run: run.split(",")[0].replace(" as stored", "")  # noqa: E731  (a run's eager one)
-    if "compile" in sys.argv:  # the same through the compiled decode step, but W8A8's, slower compiled
+    if "compile" in sys.argv:  # the same through the compiled decode step
         for q, m in models.items():
-            if q != "int8-dynamic":
-                    runs[f"nanoformer {q}, compiled"] = lambda m=m: generate(m, idx, 256, temperature=0, compile=True)
+            runs[f"nanoformer {q}, compiled"] = lambda m=m: generate(m, idx, 256, temperature=0, compile=True)
     if "aoti" in sys.argv:  # and through the step compiled ahead of time (tools/aoti_decode.py; not int8-dynamic)
         from aoti_decode import aoti_generate, aoti_step
         for q in [q for q in ("fp32 as stored", "int8", "int4 g128") if not only or weights(f"nanoformer {q}") in keep]:
