@@ -37,13 +37,12 @@ def absolute_positions(config):
     return config.pos in ("learned", "sinusoidal") or config.score == "location"
 
 
-def cache_size(model, prompt, new, step=1):
+def cache_size(model, prompt, new):
     """Slots of a cache for a prompt and new tokens: every position, or the last that a query sees
     (reach), with room for a prompt longer than that to go in by pieces (see prefill), and for the
-    global tokens, which the ring keeps beside it; rounded up to a multiple of step."""
+    global tokens, which the ring keeps beside it."""
     r = reach(model.config)
-    size = model.config.n_global + min(prompt + new, r) + (r if prompt > r else 0)
-    return step * math.ceil(size / step)
+    return model.config.n_global + min(prompt + new, r) + (r if prompt > r else 0)
 
 
 def compiled_size(size, device):
@@ -136,12 +135,16 @@ def compile_pays(model, device, new, samples=1, prompt=1):
     encoder-decoder) on a CUDA GPU or a CPU with a C++ compiler (inductor's); not for an attention
     that keeps nothing or a mixture of experts (not measured)."""
     c = model.config
-    compiler = device.type == "cuda" or any(map(shutil.which, (os.environ.get("CXX", "g++"), "g++", "clang++")))
-    if (device.type not in ("cpu", "cuda") or not compiler or c.arch == "encoder" or c.n_expert
-            or ATTENTIONS[model.decoder.kind].keeps == "none"):
+    if (device.type not in ("cpu", "cuda") or device.type == "cpu" and not cxx() or c.arch == "encoder"
+            or c.n_expert or ATTENTIONS[model.decoder.kind].keeps == "none"):
         return False
     tokens = min(new, c.block_size - prompt) if absolute_positions(c) or c.arch == "prefix-lm" else new
     return tokens * samples >= COMPILE_PAYS_FROM
+
+
+def cxx():
+    """Whether a C++ compiler, which inductor builds a CPU's kernels with, is on the PATH (once a generation)."""
+    return any(map(shutil.which, (os.environ.get("CXX", "g++"), "g++", "clang++")))
 
 
 STOP_AFTER = [None]  # tokens after which a generation stops (stopping_after); None: as many as asked for
@@ -213,10 +216,10 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
     # a window of block_size
     restart = absolute_positions(c) or c.arch == "prefix-lm"
     crop = slice(-c.block_size, None) if restart or recompute else slice(None)
-    prompt = idx.size(1)  # a prefix LM's prefix: the prompt, read both ways
-    size = cache_size(model, idx[:, crop].size(1), max_new_tokens)
+    prompt, fits = idx.size(1), idx[:, crop].size(1)  # a prefix LM's prefix: the prompt, read both ways
+    size = cache_size(model, fits, max_new_tokens)
     if compile:  # in few sizes, but none past the full ring's, all of whose slots a wrapped ring reads
-        size = min(compiled_size(size, idx.device), cache_size(model, idx[:, crop].size(1), reach(c)))
+        size = min(compiled_size(size, idx.device), cache_size(model, fits, reach(c)))
     stop = max_new_tokens if STOP_AFTER[0] is None else min(max_new_tokens, STOP_AFTER[0])
 
     def start(idx, mask):  # the prompt (cropped) into fresh caches: the logits after it, its last position,
@@ -234,7 +237,7 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
 
     try:
         logits, pos, fed = start(idx, mask)
-        for i in range(max_new_tokens):
+        for i in range(stop):
             idx_next = sample(logits[:, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
             yield idx_next
             if i == stop - 1:

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn as nn
 
-from generate import COMPILED_CACHE_STEP, cache_size, decode, decode_layout, generate
+from generate import cache_size, compiled_size, decode, decode_layout, generate
 from model import ModelConfig, Transformer
 from quantize import quantize_int4, quantize_int8
 
@@ -74,7 +74,7 @@ if __name__ == "__main__":
     model = Transformer(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)).eval()
     model = {"fp32": lambda m: m, "fp32-layout": decode_layout, "int8": quantize_int8, "int4": quantize_int4}[FORMAT](model)
     idx = torch.randint(0, 50257, (1, 16))
-    size = cache_size(model, idx.size(1), NEW, COMPILED_CACHE_STEP)
+    size = compiled_size(cache_size(model, idx.size(1), NEW), idx.device)  # as torch.compile's step sizes it
     assert idx.size(1) + NEW < min(size, model.config.block_size), "NEW: at most 1007 (the export takes size - 1 slots)"
     runner, compile_s = aoti_step(model, size)
     print(f"export and AOT compile: {compile_s:.1f} s ({size} slots)")
