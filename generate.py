@@ -108,9 +108,29 @@ def compiled(device, step=decode, **options):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(CACHE, "inductor"))
     if device.type == "cuda":
         return torch.compile(step, dynamic=False, mode="reduce-overhead", **options)
-    if device.type == "cpu" and "backend" not in options:  # inductor's kernels called from C++, not Python
-        options["options"] = {"cpp_wrapper": True, **options.get("options", {})}  # (docs/performance.md)
-    return torch.compile(step, **options)  # not dynamic=True: every shape a size, slower (docs/model.md)
+    if device.type != "cpu" or "backend" in options:
+        return torch.compile(step, **options)  # not dynamic=True: every shape a size, slower (docs/model.md)
+    return frozen(torch.compile(step, options={**CPU_INDUCTOR, **options.pop("options", {})}, **options))
+
+
+# On a CPU: inductor's kernels called from C++, not Python, and its C++ GEMM templates (max-autotune's),
+# which pack the frozen weights and write the products: 2x torch's in fp32 (docs/performance.md)
+CPU_INDUCTOR = dict(cpp_wrapper=True, max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN")
+
+
+def frozen(step):
+    """step run with inductor's freezing on, which dynamo reads as it traces (then the weights are constants
+    of the graph, guarded by identity: see reuse_caches) and inductor as it compiles. Set, not patched,
+    around each call: torch's config.patch costs 20 us."""
+    import torch._inductor.config as config
+
+    def run(*args, **kwargs):
+        before, config.freezing = config.freezing, True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            config.freezing = before
+    return run
 
 
 STEPS = weakref.WeakKeyDictionary()  # model -> (device type, its own compiled step): own_step
@@ -118,10 +138,38 @@ STEPS = weakref.WeakKeyDictionary()  # model -> (device type, its own compiled s
 
 def own_step(model, device):
     """The model's compiled step: decode's code copied for it alone. dynamo keeps what it compiled with
-    the code, and the graphs of several models on one code slowed each other's steps (docs/performance.md)."""
-    if STEPS.get(model, (None,))[0] != device.type:
-        STEPS[model] = device.type, compiled(device, types.FunctionType(decode.__code__.replace(), decode.__globals__))
+    the code, and the graphs of several models on one code slowed each other's steps (docs/performance.md).
+    Compiled again once a weight changed in place (trained further): a frozen step holds their values."""
+    key = device.type, sum(p._version for p in model.parameters())
+    if STEPS.get(model, (None,))[0] != key:
+        STEPS[model] = key, compiled(device, types.FunctionType(decode.__code__.replace(), decode.__globals__))
     return STEPS[model][1]
+
+
+KEPT = weakref.WeakKeyDictionary()  # model -> where its caches were, and the caches: reuse_caches
+
+
+def cache_tensors(cache):
+    """A cache's tensors: a KV ring's or a recurrent state's buffers, a cross-attention's (k, v), a tensor."""
+    return list(cache.buffers()) if isinstance(cache, nn.Module) else [cache] if torch.is_tensor(cache) else list(cache or ())
+
+
+def reuse_caches(model):
+    """Put back, emptied, the caches of the model's last compiled generation in place of those that
+    setup_kv_cache just made, where their shapes all match (else keep the new ones): a frozen step
+    guards each tensor it reads by identity, and new caches would compile it again at every generation.
+    They stay allocated while the model lives, as gpt-fast's caches."""
+    holders = [model.decoder] + [m for m in model.modules() if hasattr(m, "cache")]  # the attentions
+    fresh = [(m, name, getattr(m, name)) for m in holders for name in ("cache", "cache_pos") if hasattr(m, name)]
+    shapes = lambda caches: [(t.shape, t.dtype) for _, _, c in caches for t in cache_tensors(c)]  # noqa: E731
+    kept = KEPT.get(model)
+    if kept is None or shapes(kept) != shapes(fresh):
+        KEPT[model] = fresh
+        return
+    for (holder, name, new), (_, _, old) in zip(fresh, kept):
+        for t, o in zip(cache_tensors(new), cache_tensors(old)):
+            o.copy_(t)  # a new cache's empty values: zeros, positions -1
+        setattr(holder, name, old)
 
 
 def compile_pays(model, device, new, samples=1, prompt=1):
@@ -129,8 +177,8 @@ def compile_pays(model, device, new, samples=1, prompt=1):
     through the compiled step, its compile counted: generate's choice where it is not told
     (compile=None). Only the tokens decoded through the cache count: with absolute positions (or a
     prefix LM's) those before block_size (past it the context is recomputed at every token, as nanoGPT
-    does). A compile read back from inductor's cache on disk paid for itself within 1,900-5,100
-    tokens on a CPU, for shakespeare_char's shape and GPT-2 124M's alike, in fp32, int8 and int4
+    does). On a CPU, GPT-2 124M's compile read back from inductor's cache on disk paid for itself
+    within 1,500-3,800 tokens in int8 and int4, and fp32's (frozen, never read back) within 5,000-6,700
     (docs/performance.md); on CUDA the same count is taken unmeasured. Only for a decoder (or
     encoder-decoder) on a CUDA GPU or a CPU with a C++ compiler (inductor's); not for an attention
     that keeps nothing or a mixture of experts (not measured)."""
@@ -226,6 +274,8 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         # and the tokens in the cache
         tokens, valid = idx[:, crop], None if mask is None else mask[:, crop]
         model.setup_kv_cache(tokens.size(0), size, memory, dtype)
+        if compile:
+            reuse_caches(model)
         pos = torch.arange(tokens.size(1), device=tokens.device)[None]
         if valid is not None:
             pos = (valid.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
@@ -375,11 +425,12 @@ class SplitLinear(nn.Linear):
         self.weight, self.bias, self.parts = linear.weight, linear.bias, parts  # the same tensors: ties hold
 
     def forward(self, x):
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # the weight as nn.Linear keeps it:
+            return F.linear(x, self.weight.contiguous(), self.bias)  # freezing folds the copy (CPU_INDUCTOR)
         if (x.numel() != x.size(-1) or self.weight.dtype != torch.float32 or torch.is_grad_enabled()
                 or torch.is_autocast_enabled(x.device.type)):
             return F.linear(x, self.weight, self.bias)
-        mv = split_mv if torch.compiler.is_compiling() else split_product  # see split_mv
-        y = mv(x.reshape(1, -1), self.weight.t(), self.parts)
+        y = split_product(x.reshape(1, -1), self.weight.t(), self.parts)
         return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
 
 
@@ -389,13 +440,3 @@ def split_product(x: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
     blocks = w[:, :parts * q].reshape(w.size(0), parts, q).transpose(0, 1)  # (parts, in, q): a view
     y = torch.bmm(x.reshape(1, 1, -1).expand(parts, 1, -1), blocks).view(1, parts * q)
     return y if parts * q == w.size(1) else torch.cat([y, x @ w[:, parts * q:]], dim=1)
-
-
-# The same as an operator of its own, for torch.compile, which calls it as it is (inductor would rewrite a
-# bmm of one row as a slower sum). Eager calls the function: an operator's first call costs most of a second.
-split_mv = torch.library.custom_op("nanoformer::split_mv", split_product, mutates_args=())
-
-
-@split_mv.register_fake
-def _(x, w, parts):
-    return x.new_empty(1, w.size(1))

@@ -293,7 +293,7 @@ def test_the_compiled_step_runs_unguarded_from_its_third_step_until_the_ring_is_
             rule = [fast and i >= 2 and n < size for i, (n, size) in enumerate(used)]
             assert [skip for _, skip, _ in steps[1:]] == rule and not skipping()
             assert any(rule) or stance != "default" or model.config.n_expert
-    assert used[-1] == (16, 16) and options[0] == dict(options=dict(cpp_wrapper=True))  # inductor's kernels from C++
+    assert used[-1] == (16, 16) and options[0] == dict(options=generate_module.CPU_INDUCTOR)  # C++, frozen weights
 
 
 def test_each_model_compiles_a_step_of_its_own_and_keeps_it(monkeypatch, tiny_model):
@@ -308,6 +308,65 @@ def test_each_model_compiles_a_step_of_its_own_and_keeps_it(monkeypatch, tiny_mo
                            generate(model, prompt(5), 4, temperature=0))
     assert len(compiled_code) == 2 and compiled_code[0] is not compiled_code[1]
     assert all(c is not decode.__code__ and c == decode.__code__ for c in compiled_code)  # copies of it
+
+
+def test_a_model_compiles_its_step_again_once_a_weight_changed_in_place(monkeypatch, tiny_model):
+    """A frozen step holds the weights' values (inductor's freezing, on a CPU), which no guard checks: own_step
+    compiles again once any parameter changed in place (its version counter), as after more training."""
+    compiles = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiles.append(kw) or fn)
+    model = tiny_model(pos="rope")
+    for _ in range(2):
+        generate(model, prompt(5), 3, temperature=0, compile=True)
+    assert len(compiles) == 1
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    generate(model, prompt(5), 3, temperature=0, compile=True)
+    assert len(compiles) == 2 and compiles[0]["options"] == generate_module.CPU_INDUCTOR
+
+
+def test_the_cpu_step_runs_with_freezing_on_and_leaves_it_as_it_was(monkeypatch, tiny_model):
+    """dynamo reads inductor's freezing as it traces (the weights become the graph's constants): frozen sets
+    it around each call of the compiled step, and only there."""
+    import torch._inductor.config as inductor_config
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: seen.append(inductor_config.freezing) or fn(*a))
+    model, before = tiny_model(pos="rope"), inductor_config.freezing
+    assert torch.equal(generate(model, prompt(5), 4, temperature=0, compile=True), generate(model, prompt(5), 4, temperature=0))
+    assert seen == [True] * 3 and inductor_config.freezing == before is False
+
+
+@pytest.mark.parametrize("kw", [dict(pos="rope", window=4), dict(attention="linear"),
+                                dict(arch="encoder-decoder", pos="rope")])
+def test_a_compiled_generation_reuses_the_caches_of_the_first_emptied(tiny_model, kw):
+    """A frozen step guards each tensor it reads by identity (generate.reuse_caches): a second compiled
+    generation of the same shapes gets the first one's cache tensors back, holding what new empty ones
+    hold (a KV ring and its positions, a recurrent state, an encoder-decoder's cross-attention keys);
+    other shapes get new ones, which are then kept."""
+    model = tiny_model(**kw)
+    memory = model.encode(prompt(7)) if model.config.arch == "encoder-decoder" else None
+    def tensors():
+        caches = [model.decoder.cache_pos] + [a.cache for a in model.modules() if hasattr(a, "cache")]
+        return [t for c in caches for t in generate_module.cache_tensors(c)]
+    with torch.no_grad():
+        model.setup_kv_cache(1, 8, memory)
+        generate_module.reuse_caches(model)
+        first = tensors()
+        for t in first:
+            t.fill_(7) if t.is_floating_point() else t.fill_(3)  # as a generation leaves them
+        model.setup_kv_cache(1, 8, memory)
+        empty = [t.clone() for t in tensors()]
+        generate_module.reuse_caches(model)
+        again = tensors()
+        assert len(again) == len(first) >= 2 and all(a is b for a, b in zip(again, first))
+        assert all(torch.equal(a, e) for a, e in zip(again, empty))
+        model.setup_kv_cache(2, 8, memory if memory is None else memory.expand(2, -1, -1))
+        generate_module.reuse_caches(model)
+        other = tensors()
+        assert all(t.size(0) == 2 for t in other) and not any(a is b for a, b in zip(other, first))
+        model.setup_kv_cache(2, 8, memory if memory is None else memory.expand(2, -1, -1))
+        generate_module.reuse_caches(model)
+        assert all(a is b for a, b in zip(tensors(), other))  # the new shapes' caches kept
 
 
 def test_generate_rejects_an_encoder(tiny_model):
