@@ -97,7 +97,7 @@ def decode(model, idx, input_pos, src_mask=None, slots_used=None):
     return model(idx, src_mask=src_mask, input_pos=input_pos, slots_used=slots_used)[0][:, -1]
 
 
-def compiled(device, step=decode, **options):
+def compiled(device, step=decode, freeze=False, **options):
     """The decode step (or a copy of it: own_step) compiled (options: torch.compile's). On a GPU: one
     static graph per cache size, replayed as a CUDA graph. On a CPU, inductor code called from C++,
     where slots_used grows by one a step: dynamo compiles the first count as a constant, and at the
@@ -110,7 +110,8 @@ def compiled(device, step=decode, **options):
         return torch.compile(step, dynamic=False, mode="reduce-overhead", **options)
     if device.type != "cpu" or "backend" in options:
         return torch.compile(step, **options)  # not dynamic=True: every shape a size, slower (docs/model.md)
-    return frozen(torch.compile(step, options={**CPU_INDUCTOR, **options.pop("options", {})}, **options))
+    step = torch.compile(step, options={**CPU_INDUCTOR, **options.pop("options", {})}, **options)
+    return frozen(step) if freeze else step
 
 
 # On a CPU: inductor's kernels called from C++, not Python, and its C++ GEMM templates (max-autotune's),
@@ -125,12 +126,22 @@ def frozen(step):
     import torch._inductor.config as config
 
     def run(*args, **kwargs):
-        before, config.freezing = config.freezing, True
+        before, config.freezing, FROZEN[0] = config.freezing, True, True
         try:
             return step(*args, **kwargs)
         finally:
-            config.freezing = before
+            config.freezing, FROZEN[0] = before, False
     return run
+
+
+FROZEN = [False]  # inside a frozen step (SplitLinear reads it as it is traced)
+
+
+def freezes(model, device):
+    """Whether the model's compiled step freezes its weights: on a CPU, but for an encoder-decoder, whose
+    cross-attention keys and values (new for each source, never written by the step) freezing would
+    fold into the graph as constants."""
+    return device.type == "cpu" and model.config.arch != "encoder-decoder"
 
 
 STEPS = weakref.WeakKeyDictionary()  # model -> (device type, its own compiled step): own_step
@@ -139,37 +150,39 @@ STEPS = weakref.WeakKeyDictionary()  # model -> (device type, its own compiled s
 def own_step(model, device):
     """The model's compiled step: decode's code copied for it alone. dynamo keeps what it compiled with
     the code, and the graphs of several models on one code slowed each other's steps (docs/performance.md).
-    Compiled again once a weight changed in place (trained further): a frozen step holds their values."""
-    key = device.type, sum(p._version for p in model.parameters())
+    Compiled again once a weight or buffer changed in place (trained further, requantized): a frozen step
+    holds their values. (Called between generations, when the model holds no cache.)"""
+    key = device.type, sum(t._version for t in (*model.parameters(), *model.buffers()))
     if STEPS.get(model, (None,))[0] != key:
-        STEPS[model] = key, compiled(device, types.FunctionType(decode.__code__.replace(), decode.__globals__))
+        step = types.FunctionType(decode.__code__.replace(), decode.__globals__)
+        STEPS[model] = key, compiled(device, step, freeze=freezes(model, device))
     return STEPS[model][1]
 
 
-KEPT = weakref.WeakKeyDictionary()  # model -> where its caches were, and the caches: reuse_caches
+KEPT = weakref.WeakKeyDictionary()  # model -> {the caches' shapes: where they were, and the caches}: reuse_caches
 
 
 def cache_tensors(cache):
     """A cache's tensors: a KV ring's or a recurrent state's buffers, a cross-attention's (k, v), a tensor."""
-    return list(cache.buffers()) if isinstance(cache, nn.Module) else [cache] if torch.is_tensor(cache) else list(cache or ())
+    if isinstance(cache, nn.Module):
+        return list(cache.buffers())
+    return [cache] if torch.is_tensor(cache) else list(cache or ())
 
 
 def reuse_caches(model):
-    """Put back, emptied, the caches of the model's last compiled generation in place of those that
-    setup_kv_cache just made, where their shapes all match (else keep the new ones): a frozen step
-    guards each tensor it reads by identity, and new caches would compile it again at every generation.
-    They stay allocated while the model lives, as gpt-fast's caches."""
+    """Put back, emptied, the caches of the model's last frozen generation of the same shapes in place of
+    those that setup_kv_cache just made (the first of a shape is kept as it is): a frozen step guards each
+    tensor it reads by identity, and new caches would compile it again at every generation. They stay
+    allocated while the model lives, as gpt-fast's caches do."""
     holders = [model.decoder] + [m for m in model.modules() if hasattr(m, "cache")]  # the attentions
     fresh = [(m, name, getattr(m, name)) for m in holders for name in ("cache", "cache_pos") if hasattr(m, name)]
-    shapes = lambda caches: [(t.shape, t.dtype) for _, _, c in caches for t in cache_tensors(c)]  # noqa: E731
-    kept = KEPT.get(model)
-    if kept is None or shapes(kept) != shapes(fresh):
-        KEPT[model] = fresh
-        return
+    shapes = tuple((t.shape, t.dtype, t.device) for _, _, c in fresh for t in cache_tensors(c))
+    kept = KEPT.setdefault(model, {}).setdefault(shapes, fresh)
     for (holder, name, new), (_, _, old) in zip(fresh, kept):
-        for t, o in zip(cache_tensors(new), cache_tensors(old)):
-            o.copy_(t)  # a new cache's empty values: zeros, positions -1
-        setattr(holder, name, old)
+        if new is not old:
+            for t, o in zip(cache_tensors(new), cache_tensors(old)):
+                o.copy_(t)  # a new cache's empty values: zeros, positions -1
+            setattr(holder, name, old)
 
 
 def compile_pays(model, device, new, samples=1, prompt=1):
@@ -253,6 +266,7 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         raise ValueError("an encoder-decoder generates from src: generate(model, idx, n, src=src)")
     compile = compile_pays(model, idx.device, max_new_tokens, prompt=idx.size(1)) if compile is None else compile
     step = own_step(model, idx.device) if compile else decode
+    reuse = compile and freezes(model, idx.device)
     # its guards skipped from the third step while the cache has room (see unguarded): not for experts
     unguardable = compile and not c.n_expert and idx.device.type in SLOTS_IN_USE_ON
     dtype = autocast_dtype(idx.device)  # the cache in autocast's dtype, not the weights'
@@ -270,11 +284,11 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         size = min(compiled_size(size, idx.device), cache_size(model, fits, reach(c)))
     stop = max_new_tokens if STOP_AFTER[0] is None else min(max_new_tokens, STOP_AFTER[0])
 
-    def start(idx, mask):  # the prompt (cropped) into fresh caches: the logits after it, its last position,
-        # and the tokens in the cache
+    def start(idx, mask, first=False):  # the prompt (cropped) into fresh caches: the logits after it, its
+        # last position, and the tokens in the cache (a restart, past block_size, takes no step)
         tokens, valid = idx[:, crop], None if mask is None else mask[:, crop]
         model.setup_kv_cache(tokens.size(0), size, memory, dtype)
-        if compile:
+        if reuse and first:
             reuse_caches(model)
         pos = torch.arange(tokens.size(1), device=tokens.device)[None]
         if valid is not None:
@@ -286,7 +300,7 @@ def generate_tokens(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         return prefill(model, tokens, pos, valid, src_mask, prefix), pos[:, -1:], tokens.size(1)
 
     try:
-        logits, pos, fed = start(idx, mask)
+        logits, pos, fed = start(idx, mask, first=True)
         for i in range(stop):
             idx_next = sample(logits[:, :vocab_limit], temperature, top_k, top_p)  # (B, 1)
             yield idx_next
@@ -425,7 +439,7 @@ class SplitLinear(nn.Linear):
         self.weight, self.bias, self.parts = linear.weight, linear.bias, parts  # the same tensors: ties hold
 
     def forward(self, x):
-        if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # the weight as nn.Linear keeps it:
+        if torch.compiler.is_compiling() and FROZEN[0] and not torch.is_grad_enabled():  # the weight as nn.Linear:
             return F.linear(x, self.weight.contiguous(), self.bias)  # freezing folds the copy (CPU_INDUCTOR)
         if (x.numel() != x.size(-1) or self.weight.dtype != torch.float32 or torch.is_grad_enabled()
                 or torch.is_autocast_enabled(x.device.type)):

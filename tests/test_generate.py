@@ -5,6 +5,7 @@ of 8, width 32, eval mode), with the overrides a test names."""
 
 import dataclasses
 import itertools
+import shutil
 
 import pytest
 import torch
@@ -312,17 +313,41 @@ def test_each_model_compiles_a_step_of_its_own_and_keeps_it(monkeypatch, tiny_mo
 
 def test_a_model_compiles_its_step_again_once_a_weight_changed_in_place(monkeypatch, tiny_model):
     """A frozen step holds the weights' values (inductor's freezing, on a CPU), which no guard checks: own_step
-    compiles again once any parameter changed in place (its version counter), as after more training."""
+    compiles again once a parameter or buffer changed in place (its version counter), as after more
+    training or requantizing. An encoder-decoder's step is not frozen."""
     compiles = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiles.append(kw) or fn)
     model = tiny_model(pos="rope")
     for _ in range(2):
         generate(model, prompt(5), 3, temperature=0, compile=True)
-    assert len(compiles) == 1
+    assert len(compiles) == 1 and compiles[0]["options"] == generate_module.CPU_INDUCTOR
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
     generate(model, prompt(5), 3, temperature=0, compile=True)
-    assert len(compiles) == 2 and compiles[0]["options"] == generate_module.CPU_INDUCTOR
+    model.decoder.register_buffer("scale", torch.ones(1))
+    generate(model, prompt(5), 3, temperature=0, compile=True)
+    model.decoder.scale.add_(1)
+    generate(model, prompt(5), 3, temperature=0, compile=True)
+    assert len(compiles) == 3  # a new buffer compiles nothing again; its change does
+    assert generate_module.freezes(model, torch.device("cpu"))
+    assert not generate_module.freezes(tiny_model(arch="encoder-decoder"), torch.device("cpu"))
+    assert not generate_module.freezes(model, torch.device("cuda"))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
+def test_the_frozen_step_decodes_new_weights_and_new_sources_as_eager_does(tiny_model):
+    """Through inductor itself: after an in-place change of the weights a frozen step decodes the new
+    weights' tokens, and an encoder-decoder (not frozen) each source's."""
+    model, idx = tiny_model(pos="rope"), prompt(4)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(generate(model, idx, 6, temperature=0, compile=True), generate(model, idx, 6, temperature=0))
+            model.lm_head.weight.mul_(-1)  # (tied: the embedding too)
+        seq2seq = tiny_model(arch="encoder-decoder", pos="rope")
+        for seed in (2, 3):
+            src = source("encoder-decoder", 1, seed=seed)
+            assert torch.equal(generate(seq2seq, idx[:, :1], 6, src=src, temperature=0, compile=True),
+                               generate(seq2seq, idx[:, :1], 6, src=src, temperature=0))
 
 
 def test_the_cpu_step_runs_with_freezing_on_and_leaves_it_as_it_was(monkeypatch, tiny_model):
@@ -333,40 +358,32 @@ def test_the_cpu_step_runs_with_freezing_on_and_leaves_it_as_it_was(monkeypatch,
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: seen.append(inductor_config.freezing) or fn(*a))
     model, before = tiny_model(pos="rope"), inductor_config.freezing
     assert torch.equal(generate(model, prompt(5), 4, temperature=0, compile=True), generate(model, prompt(5), 4, temperature=0))
-    assert seen == [True] * 3 and inductor_config.freezing == before is False
+    assert seen == [True] * 3 and inductor_config.freezing == before is False and generate_module.FROZEN == [False]
 
 
-@pytest.mark.parametrize("kw", [dict(pos="rope", window=4), dict(attention="linear"),
-                                dict(arch="encoder-decoder", pos="rope")])
-def test_a_compiled_generation_reuses_the_caches_of_the_first_emptied(tiny_model, kw):
-    """A frozen step guards each tensor it reads by identity (generate.reuse_caches): a second compiled
-    generation of the same shapes gets the first one's cache tensors back, holding what new empty ones
-    hold (a KV ring and its positions, a recurrent state, an encoder-decoder's cross-attention keys);
-    other shapes get new ones, which are then kept."""
+@pytest.mark.parametrize("kw", [dict(pos="rope", window=4), dict(attention="linear")])
+def test_a_frozen_generation_reuses_the_caches_of_the_last_of_its_shapes_emptied(tiny_model, kw):
+    """A frozen step guards each tensor it reads by identity (generate.reuse_caches): a generation gets
+    back the caches of the last one of the same shapes, holding what new empty ones hold (a KV ring and
+    its positions, a recurrent state); caches of other shapes are kept beside them."""
     model = tiny_model(**kw)
-    memory = model.encode(prompt(7)) if model.config.arch == "encoder-decoder" else None
     def tensors():
         caches = [model.decoder.cache_pos] + [a.cache for a in model.modules() if hasattr(a, "cache")]
         return [t for c in caches for t in generate_module.cache_tensors(c)]
-    with torch.no_grad():
-        model.setup_kv_cache(1, 8, memory)
-        generate_module.reuse_caches(model)
-        first = tensors()
-        for t in first:
-            t.fill_(7) if t.is_floating_point() else t.fill_(3)  # as a generation leaves them
-        model.setup_kv_cache(1, 8, memory)
+    def setup(batch):
+        model.setup_kv_cache(batch, 8)
         empty = [t.clone() for t in tensors()]
         generate_module.reuse_caches(model)
-        again = tensors()
-        assert len(again) == len(first) >= 2 and all(a is b for a, b in zip(again, first))
-        assert all(torch.equal(a, e) for a, e in zip(again, empty))
-        model.setup_kv_cache(2, 8, memory if memory is None else memory.expand(2, -1, -1))
-        generate_module.reuse_caches(model)
-        other = tensors()
-        assert all(t.size(0) == 2 for t in other) and not any(a is b for a, b in zip(other, first))
-        model.setup_kv_cache(2, 8, memory if memory is None else memory.expand(2, -1, -1))
-        generate_module.reuse_caches(model)
-        assert all(a is b for a, b in zip(tensors(), other))  # the new shapes' caches kept
+        for t, e in zip(tensors(), empty):
+            assert torch.equal(t, e)
+        got = tensors()
+        for t in got:
+            t.fill_(7) if t.is_floating_point() else t.fill_(3)  # as a generation leaves them
+        return got
+    with torch.no_grad():
+        one, two = setup(1), setup(2)
+        assert len(one) >= 2 and all(t.size(0) == 1 for t in one) and all(t.size(0) == 2 for t in two)
+        assert all(a is b for a, b in zip(setup(1), one)) and all(a is b for a, b in zip(setup(2), two))
 
 
 def test_generate_rejects_an_encoder(tiny_model):
