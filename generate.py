@@ -144,7 +144,7 @@ def freezes(model, device):
     return device.type == "cpu" and model.config.arch != "encoder-decoder"
 
 
-STEPS = weakref.WeakKeyDictionary()  # model -> (device type, its own compiled step): own_step
+STEPS = weakref.WeakKeyDictionary()  # model -> ((device type, weight versions), its own compiled step): own_step
 
 
 def own_step(model, device):
