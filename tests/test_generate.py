@@ -341,7 +341,8 @@ def test_the_frozen_step_decodes_new_weights_and_new_sources_as_eager_does(tiny_
     model, idx = tiny_model(pos="rope"), prompt(4)
     with torch.no_grad():
         for _ in range(2):
-            assert torch.equal(generate(model, idx, 6, temperature=0, compile=True), generate(model, idx, 6, temperature=0))
+            assert torch.equal(generate(model, idx, 6, temperature=0, compile=True),
+                               generate(model, idx, 6, temperature=0))
             model.lm_head.weight.mul_(-1)  # (tied: the embedding too)
         seq2seq = tiny_model(arch="encoder-decoder", pos="rope")
         for seed in (2, 3):
@@ -357,7 +358,8 @@ def test_the_cpu_step_runs_with_freezing_on_and_leaves_it_as_it_was(monkeypatch,
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: seen.append(inductor_config.freezing) or fn(*a))
     model, before = tiny_model(pos="rope"), inductor_config.freezing
-    assert torch.equal(generate(model, prompt(5), 4, temperature=0, compile=True), generate(model, prompt(5), 4, temperature=0))
+    assert torch.equal(generate(model, prompt(5), 4, temperature=0, compile=True),
+                       generate(model, prompt(5), 4, temperature=0))
     assert seen == [True] * 3 and inductor_config.freezing == before is False and generate_module.FROZEN == [False]
 
 
