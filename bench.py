@@ -45,7 +45,7 @@ from generate import (cache_size, compile_pays, decode, decode_layout, generate,
 from optim import make_optimizer, optimizer_step
 from train import TRAIN_RANGES, TrainConfig
 from model import KVCache, ModelConfig, Transformer, attn_impl, autocast_dtype
-from quantize import QUANTIZED, quantize_int4, quantize_int8, quantize_int8_dynamic
+from quantize import QUANTIZED, quantize_int4, quantize_int4_dynamic, quantize_int8, quantize_int8_dynamic
 from sample import SampleConfig, load_draft
 from study import FamilyConfig, ScalingConfig, family, scaling
 
@@ -225,13 +225,13 @@ def decode_speed(config, device, dtype, compile=None, batch=1, new=256, prompt=1
     model = Transformer(config).eval()
     quantized = {"int8": quantize_int8(copy.deepcopy(model)).to(device, weights),  # from the fp32 weights, as
                  "int4": quantize_int4(copy.deepcopy(model).to(device)).to(dtype=weights),  # sample.py does
-                 **({"int8-dynamic": quantize_int8_dynamic(copy.deepcopy(model))} if device.type == "cpu" else {})}
+                 **({"int8-dynamic": quantize_int8_dynamic(copy.deepcopy(model)),  # W8A8 and W4A8: a CPU's
+                     "int4-dynamic": quantize_int4_dynamic(copy.deepcopy(model))} if device.type == "cpu" else {})}
     twin = hf_twin(model, device, weights)
     model = model.to(device, weights)
-    decoders = {"nanoformer": model} | {f"nanoformer, {q}": m for q, m in quantized.items()}
-    if device.type == "cpu":  # as sample.py lays the weights out, and as they were stored
-        decoders = {"nanoformer, weights as stored": copy.deepcopy(model), "nanoformer": decode_layout(model),
-                    **{f"nanoformer, {q}": m for q, m in quantized.items()}}
+    plain = {"nanoformer, weights as stored": copy.deepcopy(model), "nanoformer": decode_layout(model)} \
+        if device.type == "cpu" else {"nanoformer": model}  # on a CPU as sample.py lays them out, and as stored
+    decoders = plain | {f"nanoformer, {q}": m for q, m in quantized.items()}
     pays = lambda m: compile_pays(m, device, new, rounds + 1, prompt) if compile is None else compile  # noqa: E731
     decoders |= {name + ", compiled": m for name, m in list(decoders.items()) if "stored" not in name and pays(m)}
     idx = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
@@ -305,12 +305,12 @@ def speculative_speed(cfg, device, dtype, rounds=3):
 
 @torch.no_grad()
 def quantized_quality(out_dir, device, n_batches=50):
-    """What int8 and int4 weights (groups of 32 and 128), and W8A8 on a CPU, cost a trained model: its loss on the same
-    validation batches in fp32 and quantized (as sample.py loads each), and the largest logit difference."""
-    kinds = [("fp32", "", 128), ("int8", "int8", 128), ("int4, groups of 32", "int4", 32),
-             ("int4, groups of 128", "int4", 128)]
-    models = {name: load_model(out_dir, device, quantize=q, which="latest", group_size=g)
-              for name, q, g in kinds + [("int8-dynamic (W8A8)", "int8-dynamic", 128)] * (device.type == "cpu")}
+    """What int8 and int4 weights (groups of 32 and 128), and W8A8 and W4A8 on a CPU, cost a trained model: its loss on
+    the same validation batches in fp32 and quantized (as sample.py loads each), and the largest logit difference."""
+    kinds = [("fp32", "", 128), ("int8", "int8", 128), ("int4, groups of 32", "int4", 32), ("int4, groups of 128", "int4",
+             128)] + [("int8-dynamic (W8A8)", "int8-dynamic", 128), ("int4-dynamic (W4A8)", "int4-dynamic", 128)] * (
+             device.type == "cpu")
+    models = {name: load_model(out_dir, device, quantize=q, which="latest", group_size=g) for name, q, g in kinds}
     cfg, meta, c, tokens = (models["fp32"][2][k] for k in ("train_config", "meta", "model_config", "tokens"))
     data = np.memmap(os.path.join(cfg["data_dir"], cfg["dataset"], "val.bin"), dtype=meta["dtype"], mode="r")
     loss, rel = dict.fromkeys(models, 0.0), dict.fromkeys(models, 0.0)

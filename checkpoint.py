@@ -20,7 +20,7 @@ from distributed import load_optimizer_state
 from data import new_model_config
 from lora import merged_state
 from model import ModelConfig, Transformer
-from quantize import quantize_int4, quantize_int8, quantize_int8_dynamic
+from quantize import quantize_int4, quantize_int4_dynamic, quantize_int8, quantize_int8_dynamic
 from tokenizer import Tokenizer
 
 
@@ -257,7 +257,7 @@ def describe(ckpt):
 def for_sampling(model, ckpt, device, dtype=torch.float32, quantize="", group_size=128):
     """model in eval mode on device, its weights in dtype (its Linear layers in int8 with
     quantize="int8", in int4 in groups of group_size with "int4", int8 activations too with
-    "int8-dynamic"), and the tokenizer its checkpoint
+    "int8-dynamic" and "int4-dynamic"), and the tokenizer its checkpoint
     names. A model trained through the Triton kernel on a GPU runs the same attention through SDPA
     elsewhere (model.attn_impl)."""
     if quantize == "int8":
@@ -267,6 +267,8 @@ def for_sampling(model, ckpt, device, dtype=torch.float32, quantize="", group_si
         quantize_int4(model, group_size)
     if quantize == "int8-dynamic":  # W8A8 (a CPU's kernel)
         quantize_int8_dynamic(model)
+    if quantize == "int4-dynamic":  # W4A8 (w4a8.cpp, a CPU's)
+        quantize_int4_dynamic(model, group_size)
     model = model.to(dtype=dtype).eval()  # (the quantized weights are integers, which stay)
     return model, Tokenizer(ckpt["meta"])
 

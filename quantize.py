@@ -1,6 +1,7 @@
 """Weights stored for decoding, beside the model (as gpt-fast keeps quantize.py): quantize_int8(model)
 and quantize_int4(model) swap the plain Linear layers for Int8Linear or Int4Linear, in place, after the
-weights are loaded; quantize_int8_dynamic(model) for Int8DynamicLinear, which quantizes the activations too.
+weights are loaded; quantize_int8_dynamic(model) and quantize_int4_dynamic(model) for Int8DynamicLinear and
+Int4DynamicLinear, which quantize the activations too.
 
 Decoding one token at a time is bound by reading the weights, so smaller weights decode faster where
 a kernel multiplies them without first writing them out in floating point. The two weight-only layers hand
@@ -9,7 +10,11 @@ fp32 activations take a scalar loop, 4x (int8) and 9x (int4) slower than fp32's 
 measurements: docs/performance.md). Each kernel accumulates in fp32 and rounds its output
 to bf16; the result comes back in the dtype the layer was called with."""
 
+import hashlib
 import itertools
+import os
+import subprocess
+import sys
 import warnings
 import weakref
 
@@ -17,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common import CACHE, UsageError
 from model import autocast_dtype
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels take
@@ -160,7 +166,72 @@ def _(x, weight, key):
     return x.new_empty(x.size(0), weight.size(0))
 
 
-QUANTIZED = (Int8Linear, Int4Linear, Int8DynamicLinear)  # the layers that quantize_* put in
+class Int4DynamicLinear(nn.Module):
+    """W4A8 (--quantize=int4-dynamic), as llama.cpp multiplies Q4_0 by Q8_0: Int4Linear's 4-bit weights (the
+    same groups, scales and zero points), and at each call the activations quantized to 8 bits in blocks of 32,
+    multiplied in integers by w4a8.cpp (AVX-512 VNNI, else AVX2), fp32 out, the zero points' term from the
+    exact activations. CPU only. The weights sit in w4a8.cpp's order: `weight` (out, in / 2) uint8, and
+    `scale` and `zero` (out, groups) fp32, held as int32 bits (as Int4Linear holds bf16) so model.to(dtype)
+    leaves them be; weight = q * scale + zero."""
+
+    def __init__(self, linear, group_size=128):
+        super().__init__()
+        w4a8_kernel()  # compiled (once a machine) before the first call, which should not pay for it
+        q, scales_and_zeros = int4_groups(linear.weight.detach().float().cpu(), group_size)
+        scale, zero = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # (out, groups) each
+        chunks = q.view(q.size(0), -1, 2, 16).to(torch.uint8)  # (out, chunks of 32, halves, 16)
+        self.register_buffer("weight", (chunks[:, :, 0] | chunks[:, :, 1] << 4).flatten(1).contiguous())
+        self.register_buffer("scale", scale.contiguous().view(torch.int32))
+        self.register_buffer("zero", (zero - 8 * scale).contiguous().view(torch.int32))  # int4_groups' q - 8
+        self.bias, self.group_size = linear.bias, group_size
+
+    def forward(self, x):
+        if x.device.type != "cpu":
+            raise RuntimeError(f"Int4DynamicLinear runs on a CPU, not {x.device}: --quantize=int4 there")
+        rows = x.reshape(-1, x.size(-1)).float().contiguous()
+        bias = None if self.bias is None else self.bias.float()
+        y = torch.ops.nanoformer.w4a8_linear(rows, self.weight, self.scale.view(torch.float32),
+                                             self.zero.view(torch.float32), self.group_size, bias)
+        return y.view(*x.shape[:-1], self.weight.size(0)).to(x.dtype)
+
+
+def w4a8_kernel(flags=(), name="w4a8_linear"):
+    """Load w4a8.cpp's kernel as torch.ops.nanoformer.<name>, compiled for this processor (-march=native)
+    the first time into common.CACHE/kernels, under a name that hashes the source, the command, torch's
+    version and the processor's features, so a change of any compiles it again. flags and name build
+    another copy beside it (the tests' AVX2 build). The compiler is $CXX, else c++."""
+    if name in W4A8_LOADED:
+        return
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w4a8.cpp")
+    root = os.path.dirname(torch.__file__)
+    cmd = [os.environ.get("CXX", "c++"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DW4A8_NAME={name}", *flags,
+           f"-I{root}/include", f"-I{root}/include/torch/csrc/api/include"]
+    libs = [f"-L{root}/lib", "-lc10", "-ltorch_cpu"]  # after the source: a linker drops libraries not yet needed
+    cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "") \
+        if os.path.exists("/proc/cpuinfo") else os.uname().machine
+    key = hashlib.sha256("\0".join([open(source).read(), *cmd, torch.__version__, cpu]).encode()).hexdigest()[:16]
+    path = os.path.join(CACHE, "kernels", f"{name}-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        print(f"compiling w4a8.cpp for this processor, once, into {os.path.dirname(path)}", file=sys.stderr)
+        tmp = f"{path}.{os.getpid()}.tmp"  # renamed when whole: a compile cut short leaves no library behind
+        try:
+            done = subprocess.run([*cmd, source, "-o", tmp, *libs], capture_output=True, text=True)
+        except FileNotFoundError:
+            raise UsageError(f"--quantize=int4-dynamic compiles w4a8.cpp, and there is no C++ compiler {cmd[0]!r}: "
+                             "install g++ (or set CXX)") from None
+        if done.returncode:
+            raise RuntimeError(f"compiling w4a8.cpp failed: {' '.join(cmd)}\n{done.stderr}")
+        os.replace(tmp, path)
+    torch.ops.load_library(path)
+    W4A8_LOADED.add(name)
+    torch.library.register_fake(f"nanoformer::{name}")(
+        lambda x, weight, scale, zero, group_size, bias: x.new_empty(x.size(0), weight.size(0)))
+
+
+W4A8_LOADED = set()
+QUANTIZED = (Int8Linear, Int4Linear, Int8DynamicLinear, Int4DynamicLinear)  # the layers that quantize_* put in
 
 
 def plain_linear(m):
@@ -200,6 +271,15 @@ def quantize_int8_dynamic(model):
     A tied lm_head gets its own copy; the embedding keeps its weights."""
     refuse_other_linears(model)
     return replace_linears(model, Int8DynamicLinear)
+
+
+def quantize_int4_dynamic(model, group_size=128):
+    """Replace every nn.Linear in model (on a CPU) whose in_features group_size divides by an
+    Int4DynamicLinear, in place; returns the model. A tied lm_head gets its own copy."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size={group_size}: choose among {list(INT4_GROUP_SIZES)}")
+    refuse_other_linears(model)
+    return replace_linears(model, lambda m: Int4DynamicLinear(m, group_size) if m.in_features % group_size == 0 else m)
 
 
 def quantize_int4(model, group_size=128):

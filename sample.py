@@ -64,7 +64,7 @@ class SampleConfig:
     batch: bool = False  # with --start=FILE:..., continue every line of the file, all in one batch
     draft_dir: str = ""  # out_dir of a small model that drafts tokens for speculative decoding
     draft_k: int = 4  # tokens the draft proposes per step
-    quantize: str = ""  # "int8", "int4": weights only, every Linear layer; "int8-dynamic": W8A8 (CPU; docs/model.md)
+    quantize: str = ""  # "int8", "int4": weights only, every Linear; "int8-dynamic", "int4-dynamic": W8A8, W4A8 (CPU)
     group_size: int = 128  # int4: weights per scale and zero point (32, 64, 128 or 256)
     attention_page: str = ""  # write the first sample's attention weights to this HTML file
     attention_tokens: int = 128  # ...for at most this many (the last) tokens
@@ -73,9 +73,9 @@ class SampleConfig:
 
 RENAMED = {"attention": "attention_page"}  # old name: new name; the old one still works, with a notice
 # the values each setting may take, beyond its type
-RANGES = dict(ckpt=("best", "latest"), quantize=("", "int8", "int4", "int8-dynamic"), group_size=INT4_GROUP_SIZES,
-              max_new_tokens="[0, inf)", temperature="[0, inf)", top_k="[1, inf)", top_p="(0, 1]",
-              num_samples="[1, inf)", draft_k="[1, inf)", attention_tokens="[1, inf)", seed="[0, inf)")
+RANGES = dict(ckpt=("best", "latest"), quantize=("", "int8", "int4", "int8-dynamic", "int4-dynamic"),
+              group_size=INT4_GROUP_SIZES, max_new_tokens="[0, inf)", temperature="[0, inf)", top_k="[1, inf)",
+              top_p="(0, 1]", num_samples="[1, inf)", draft_k="[1, inf)", attention_tokens="[1, inf)", seed="[0, inf)")
 
 
 class Result(NamedTuple):
@@ -112,8 +112,8 @@ def refusals(cfg, model, draft):
 def int8_on_cuda(cfg, device):
     """cfg without int8 weights on CUDA, saying why: torch has no fused int8 product there, so the layer
     converts its weights at every product and decodes at 0.36x bf16's speed (int4: 1.5x; docs/performance.md)."""
-    if cfg.quantize == "int8-dynamic" and device.type != "cpu":
-        raise UsageError(f"--quantize=int8-dynamic runs a CPU kernel, not {device.type}'s: use --quantize=int8 or int4")
+    if cfg.quantize.endswith("-dynamic") and device.type != "cpu":
+        raise UsageError(f"--quantize={cfg.quantize} is a CPU kernel, not {device.type}'s: use --quantize=int8 or int4")
     if cfg.quantize != "int8" or device.type != "cuda":
         return cfg
     print("sample.py: --quantize=int8 decodes slower than unquantized weights on CUDA (torch converts the int8 "

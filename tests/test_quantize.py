@@ -1,4 +1,4 @@
-"""quantize.py: weight-only int8 and int4. Each layer computes the product of its dequantized weights
+"""quantize.py: weight-only int8 and int4, W8A8 and W4A8 (w4a8.cpp). Each layer computes the product of its dequantized weights
 to within the rounding of its arithmetic; each weight rounds by at most half a step; a quantized model
 keeps its logits and decodes. Models are conftest's tiny_model (vocab 61, context 32, 2 layers, 4
 heads, width 32).
@@ -22,8 +22,8 @@ import quantize as quantize_module
 from generate import generate
 from lora import LoRALinear
 from generate import SplitLinear, decode_layout
-from quantize import (Int4Linear, Int8DynamicLinear, Int8Linear, int4_groups, quantize_int4, quantize_int8,
-                      quantize_int8_dynamic)
+from quantize import (Int4DynamicLinear, Int4Linear, Int8DynamicLinear, Int8Linear, int4_groups, quantize_int4,
+                      quantize_int4_dynamic, quantize_int8, quantize_int8_dynamic, w4a8_kernel)
 
 V = 61  # tiny_model's vocabulary
 BF16 = 2.0**-8  # the relative rounding of a bf16 (8 significant bits), to nearest
@@ -56,6 +56,60 @@ def dequantized_int4(w, group_size):
     q, scales_and_zeros = int4_groups(w.detach().float(), group_size)
     scale, zero = scales_and_zeros.double().transpose(0, 1).unbind(-1)  # (out, groups) each
     return ((q.view(q.size(0), -1, group_size) - 8) * scale[..., None] + zero[..., None]).view(q.shape)
+
+
+CXX = pytest.mark.skipif(shutil.which("c++") is None, reason="w4a8.cpp and inductor compile with a C++ compiler")
+
+
+def w4a8_bound(x, w, zero, group_size):
+    """W4A8: the kernel rounds x to 8 bits in blocks of 32 (a step d = max |x| / 127 a block) and multiplies
+    the rounded x by each weight's q * scale = w - zero exactly in integers, the zero points' term by the exact
+    x. So an output is within Σ |w - zero| d / 2 of x wᵀ + b, plus fp32's rounding, at most (in + 1) 2^-24 of
+    the sum of the terms' sizes, Σ (|w| + |zero|)(|x| + d)."""
+    d = (x.double().abs().reshape(*x.shape[:-1], -1, 32).amax(-1) / 127).repeat_interleave(32, dim=-1)  # (M, in)
+    z = zero.double().repeat_interleave(group_size, dim=1)  # (out, in)
+    half_steps = (d / 2) @ (w - z).abs().T
+    arithmetic = (x.size(-1) + 1) * FP32 * ((x.double().abs() + d) @ (w.abs() + z.abs()).T)
+    return half_steps, arithmetic
+
+
+@CXX
+@pytest.mark.parametrize("group_size, n_in", [(32, 416), (64, 448), (128, 384), (256, 512)])
+def test_int4_dynamic_linear_is_within_half_a_step_of_each_activation_block(group_size, n_in):
+    """416 and 448 inputs leave chunks of 32 after the kernel's steps of 128; 41 rows leave one after its
+    blocks of 4 rows."""
+    torch.manual_seed(0)
+    linear = nn.Linear(n_in, 41)
+    q = Int4DynamicLinear(linear, group_size)
+    x = torch.randn(5, n_in) * torch.rand(5, 1) * 4
+    w = dequantized_int4(linear.weight, group_size)
+    scale, zero = int4_groups(linear.weight.detach().float(), group_size)[1].double().transpose(0, 1).unbind(-1)
+    with torch.no_grad():
+        y = q(x)
+    half_steps, arithmetic = w4a8_bound(x, w, zero - 8 * scale, group_size)
+    err = (y.double() - (x.double() @ w.T + linear.bias.double())).abs()
+    assert (err <= half_steps + arithmetic).all()
+    assert err.max() > 10 * arithmetic.max()  # the activations were rounded: not the weight-only product
+    assert q(x[:, None]).shape == (5, 1, 41) and y.dtype == torch.float32 and q(torch.randn(0, n_in)).shape == (0, 41)
+    assert q.weight.numel() * 2 == 41 * n_in and q.weight.dtype == torch.uint8  # 4 bits a weight
+
+
+@CXX
+def test_w4a8s_avx2_and_plain_builds_compute_what_this_processors_build_does():
+    """w4a8.cpp has a path for AVX-512 VNNI, one for AVX2 and one in plain C++; built here for this
+    processor, and again without AVX-512, and without AVX2 (each a library of its own, in the cache), they
+    agree to fp32's rounding of their different orders of summing."""
+    torch.manual_seed(0)
+    q = Int4DynamicLinear(nn.Linear(416, 41), 32)
+    x = torch.randn(3, 416)
+    args = (q.weight, q.scale.view(torch.float32), q.zero.view(torch.float32), 32, q.bias.detach())
+    native = torch.ops.nanoformer.w4a8_linear(x, *args)
+    for name, flags in (("w4a8_linear_avx2", ("-mno-avx512f",)), ("w4a8_linear_plain", ("-mno-avx512f", "-mno-avx2"))):
+        w4a8_kernel(flags, name)
+        other = getattr(torch.ops.nanoformer, name)(x, *args)
+        scale = args[1].double().repeat_interleave(32, dim=1)
+        sizes = (x.double().abs() * 2) @ (scale * 15 + args[2].double().abs().repeat_interleave(32, dim=1)).T
+        assert ((other - native).abs().double() <= 2 * (416 + 1) * FP32 * sizes + FP32 * native.abs()).all(), name
 
 
 def dequantize_model(model, group_size):
@@ -185,10 +239,12 @@ def test_quantize_int4_leaves_the_layers_whose_width_its_group_does_not_divide(t
         quantize_int4(tiny_model(), group_size=48)
 
 
-@pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32)], ids=["int8", "int4"])
+@pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32),
+                                      pytest.param(lambda m: quantize_int4_dynamic(m, 32), marks=CXX)],
+                         ids=["int8", "int4", "int4-dynamic"])
 def test_a_quantized_model_cast_to_another_dtype_keeps_its_weights_and_scales(tiny_model, quantize):
     model = quantize(tiny_model())
-    layers = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    layers = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear, Int4DynamicLinear))]
     stored = lambda: [b for m in layers for b in m.buffers()]  # noqa: E731
     before, idx = [b.clone() for b in stored()], prompt(6)
     with torch.no_grad():
@@ -198,8 +254,10 @@ def test_a_quantized_model_cast_to_another_dtype_keeps_its_weights_and_scales(ti
     assert half.dtype == torch.bfloat16 and ((half.float() - full).norm() / full.norm()) < 0.02
 
 
-@pytest.mark.parametrize("quantize, layer", [(quantize_int8, Int8Linear), (quantize_int8_dynamic, Int8DynamicLinear)],
-                         ids=["int8", "int8-dynamic"])
+@pytest.mark.parametrize("quantize, layer", [(quantize_int8, Int8Linear), (quantize_int8_dynamic, Int8DynamicLinear),
+                                             pytest.param(lambda m: quantize_int4_dynamic(m, 32), Int4DynamicLinear,
+                                                          marks=CXX)],
+                         ids=["int8", "int8-dynamic", "int4-dynamic"])
 def test_quantize_int8_replaces_every_linear_and_keeps_the_logits_close(tiny_model, quantize, layer):
     model = tiny_model(pos="rope", n_kv_head=2, mlp="swiglu")
     idx = prompt(10, B=2)
@@ -213,7 +271,9 @@ def test_quantize_int8_replaces_every_linear_and_keeps_the_logits_close(tiny_mod
     assert generate(model, idx, 5).shape == (2, 15)
 
 
-@pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32)], ids=["int8", "int4"])
+@pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32),
+                                      pytest.param(lambda m: quantize_int4_dynamic(m, 32), marks=CXX)],
+                         ids=["int8", "int4", "int4-dynamic"])
 def test_a_quantized_mixture_of_experts_decodes_though_most_experts_get_no_token(tiny_model, quantize):
     model = quantize(tiny_model(n_expert=4, expert_top_k=1))
     assert generate(model, prompt(3, B=1), 4, temperature=0).shape == (1, 7)  # one token a step: 3 experts idle
@@ -240,8 +300,9 @@ def test_a_w8a8_step_compiles_into_one_graph_and_a_copied_layer_is_one_of_its_ow
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
-@pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32), quantize_int8_dynamic],
-                         ids=["int8", "int4", "int8-dynamic"])
+@pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32), quantize_int8_dynamic,
+                                      lambda m: quantize_int4_dynamic(m, 32)],
+                         ids=["int8", "int4", "int8-dynamic", "int4-dynamic"])
 def test_a_quantized_model_decodes_the_same_through_the_compiled_step(tiny_model, quantize):
     model, idx = quantize(tiny_model(pos="rope")), prompt(4)  # inductor lowers torch's kernels itself
     assert torch.equal(generate(model, idx, 6, temperature=0, compile=True), generate(model, idx, 6, temperature=0))

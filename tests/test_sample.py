@@ -23,7 +23,7 @@ import train
 from data import new_model_config
 from generate import generate
 from model import ModelConfig, Transformer
-from quantize import Int8DynamicLinear, quantize_int8
+from quantize import Int4DynamicLinear, Int8DynamicLinear, quantize_int8
 
 # what sample.py prints on stderr before it samples: the checkpoint it loaded (its iteration, val loss)
 LOADED = r"sample\.py: out-ok/best\.pt: iteration 4, [^\n]*\n"
@@ -207,16 +207,19 @@ def test_sample_in_bf16_holds_the_weights_in_bf16_with_or_without_a_draft(target
     assert fast == text  # the draft, loaded in the target's dtype: greedy, the same text
 
 
-def test_sample_in_int8_dynamic_prints_the_w8a8_models_text_and_names_its_path(target_and_draft, sample_py):
+@pytest.mark.parametrize("quantize, layer", [("int8-dynamic", Int8DynamicLinear), ("int4-dynamic", Int4DynamicLinear)])
+def test_sample_with_activations_quantized_prints_the_models_text_and_names_its_path(target_and_draft, sample_py,
+                                                                                      quantize, layer):
     d = target_and_draft
-    text, err = sample_py("--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=10", "--quantize=int8-dynamic",
-                          "--temperature=0")
-    model, tok, _ = checkpoint.load_model(str(d / "out-target"), torch.device("cpu"), quantize="int8-dynamic")
-    assert f"{sum(isinstance(m, Int8DynamicLinear) for m in model.modules())} Linear layers in int8-dynamic, eager)" in err
+    text, err = sample_py("--out_dir=out-target", "--start=LEAR:", "--max_new_tokens=10", f"--quantize={quantize}",
+                          "--group_size=32", "--temperature=0")
+    model, tok, _ = checkpoint.load_model(str(d / "out-target"), torch.device("cpu"), quantize=quantize, group_size=32)
+    n = sum(isinstance(m, layer) for m in model.modules())
+    assert n > 0 and f"{n} Linear layers in {quantize}, eager)" in err
     out = generate(model, torch.tensor([tok.encode("LEAR:")]), 10, temperature=0)
     assert text.split(SEP)[0] == tok.decode(out[0].tolist())
-    with pytest.raises(common.UsageError, match="runs a CPU kernel, not cuda's: use --quantize=int8 or int4"):
-        sample.int8_on_cuda(sample.SampleConfig(quantize="int8-dynamic"), torch.device("cuda"))
+    with pytest.raises(common.UsageError, match=f"{quantize} is a CPU kernel, not cuda's: use --quantize=int8 or int4"):
+        sample.int8_on_cuda(sample.SampleConfig(quantize=quantize), torch.device("cuda"))
 
 
 def test_sample_in_int8_prints_the_int8_models_text_and_pages_its_attention_weights(target_and_draft, sample_py):

@@ -76,14 +76,15 @@ if "speed" in sys.argv:
     model = decode_layout(for_sampling(model, dict(meta=dict(tokenizer="char", vocab=["a"])), torch.device("cpu"))[0])
     idx = torch.arange(100, 116)[None]
     runs["nanoformer fp32"] = lambda: generate(model, idx, 256, temperature=0, compile=False)
-    from quantize import quantize_int4, quantize_int8, quantize_int8_dynamic
+    from quantize import quantize_int4, quantize_int4_dynamic, quantize_int8, quantize_int8_dynamic
     models = {"fp32": model}
-    for q, f in (("int8", quantize_int8), ("int4 g128", quantize_int4), ("int8-dynamic", quantize_int8_dynamic)):
+    for q, f in (("int8", quantize_int8), ("int4 g128", quantize_int4), ("int8-dynamic", quantize_int8_dynamic),
+                 ("int4-dynamic g128", quantize_int4_dynamic)):
         m = f(hf.from_pretrained(f"{DIR}/gpt2-124m")).eval()
         runs[f"nanoformer {q}"] = lambda m=m: generate(m, idx, 256, temperature=0, compile=False)
         models[q] = m
     only = [a for a in sys.argv[2:] if a in ("f32", "q8_0", "q4_0")]  # a format alone, if named
-    mine = {"f32": ("fp32",), "q8_0": ("int8", "int8-dynamic"), "q4_0": ("int4 g128",)}
+    mine = {"f32": ("fp32",), "q8_0": ("int8", "int8-dynamic"), "q4_0": ("int4 g128", "int4-dynamic g128")}
     keep = [f"llama.cpp {t}" for t in only] + [f"nanoformer {q}" for t in only for q in mine[t]]
     weights = lambda run: run.split(",")[0].replace(" as stored", "")  # noqa: E731  (a run's eager one)
     if "compile" in sys.argv:  # the same through the compiled decode step
