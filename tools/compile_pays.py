@@ -5,7 +5,7 @@ eager and compiled tokens/s at the best of 2 rounds taken in turn; the break-eve
 seconds over the seconds a token saves. Run it twice with one TORCHINDUCTOR_CACHE_DIR: the first
 compiles cold, the second reads inductor's cache on disk, as a later run of sample.py does.
 
-    PYTHONPATH=. python tools/compile_pays.py SHAPE FORMAT NEW    # SHAPE: gpt2 or char; FORMAT: fp32, int8, int4
+    PYTHONPATH=. python tools/compile_pays.py SHAPE FORMAT NEW    # SHAPE: gpt2 or char; FORMAT: fp32, int8, int4, int4-dynamic
 """
 import sys
 import time
@@ -14,7 +14,7 @@ import torch
 
 from generate import decode_layout, generate, stopping_after
 from model import ModelConfig, Transformer
-from quantize import quantize_int4, quantize_int8
+from quantize import quantize_int4, quantize_int4_dynamic, quantize_int8
 
 SHAPES = dict(gpt2=dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),  # bench.py sample's
               char=dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False))  # shakespeare_char
@@ -22,7 +22,8 @@ shape, fmt, NEW = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.set_flush_denormal(True)  # as sample.py runs
 torch.manual_seed(0)
 model = Transformer(ModelConfig(**SHAPES[shape])).eval()
-model = decode_layout({"fp32": lambda m: m, "int8": quantize_int8, "int4": quantize_int4}[fmt](model))
+model = decode_layout({"fp32": lambda m: m, "int8": quantize_int8, "int4": quantize_int4,
+                       "int4-dynamic": quantize_int4_dynamic}[fmt](model))
 idx = torch.randint(0, SHAPES[shape]["vocab_size"], (1, 8))
 with torch.no_grad():
     t = time.perf_counter()
