@@ -451,7 +451,7 @@ def save_pretrained(model, path, **hf_config):
         return hf_vit.save(model, path, hf_config.get("meta", {}))
     family = family_of(c)
     if any(isinstance(m, QUANTIZED) for m in model.modules()):
-        raise HFError("a quantized model (int8, int4, int8-dynamic) has no Hugging Face layout here: export its float weights")
+        raise HFError("a quantized model (int8, int4, *-dynamic) has no Hugging Face layout here: export its float weights")
     state = model.state_dict()
     if c.tie_embeddings:
         del state["lm_head.weight"]

@@ -208,9 +208,12 @@ def w4a8_kernel(flags=(), name="w4a8_linear"):
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DW4A8_NAME={name}", *flags,
            f"-I{root}/include", f"-I{root}/include/torch/csrc/api/include"]
     libs = [f"-L{root}/lib", "-lc10", "-ltorch_cpu"]  # after the source: a linker drops libraries not yet needed
-    cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "") \
-        if os.path.exists("/proc/cpuinfo") else os.uname().machine
-    key = hashlib.sha256("\0".join([open(source).read(), *cmd, torch.__version__, cpu]).encode()).hexdigest()[:16]
+    cpu = os.uname().machine
+    if os.path.exists("/proc/cpuinfo"):  # Linux: the instruction sets -march=native turns on
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith("flags")), cpu)
+    with open(source) as f:
+        key = hashlib.sha256("\0".join([f.read(), *cmd, torch.__version__, cpu]).encode()).hexdigest()[:16]
     path = os.path.join(CACHE, "kernels", f"{name}-{key}.so")
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)

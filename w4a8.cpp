@@ -51,7 +51,7 @@ void quantize_row(const float* x, int64_t K, int64_t group_size, int8_t* q, floa
     for (int64_t i = 0; i < group_size; i++) sum += x[g * group_size + i];
     s[g] = sum;
   }
-#if VNNI  // 4 chunks (128 bytes) as dot_rows reads them with 64-byte registers: their low halves, then high halves
+#if VNNI  // 4 chunks (128 bytes) as dot_row reads them with 64-byte registers: their low halves, then high halves
   int8_t t[4 * CHUNK];
   for (int64_t c = 0; c + 4 <= K / CHUNK; c += 4) {
     for (int i = 0; i < 4; i++) {
@@ -86,7 +86,8 @@ float dot_row(const uint8_t* w, const float* scale, int64_t cpg, const int8_t* q
     const __m512 dd = _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(_mm_loadu_ps(d + c)));
     const float* sc = scale + c / cpg;  // groups of 32 or 64 weights put 4 or 2 scales in a step
     const __m512 ss = cpg >= 4 ? _mm512_set1_ps(*sc)
-        : _mm512_permutexvar_ps(cpg == 2 ? by8 : by4, _mm512_castps128_ps512(_mm_loadu_ps(sc)));
+        : cpg == 2 ? _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double*)sc))))
+                   : _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(_mm_loadu_ps(sc)));  // 2 floats, or 4
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dd, ss), acc);
   }
   total = _mm512_reduce_add_ps(acc);

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import generate as generate_module
+from common import UsageError
 import quantize as quantize_module
 from generate import generate
 from lora import LoRALinear
@@ -237,6 +238,14 @@ def test_quantize_int4_leaves_the_layers_whose_width_its_group_does_not_divide(t
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 2
     with pytest.raises(ValueError, match=r"group_size=48: choose among \[32, 64, 128, 256\]"):
         quantize_int4(tiny_model(), group_size=48)
+
+
+def test_w4a8_without_a_compiler_stops_in_one_line_and_writes_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(quantize_module, "CACHE", str(tmp_path))
+    with pytest.raises(UsageError, match=r"no C\+\+ compiler 'no-such-compiler': install g\+\+ \(or set CXX\)"):
+        w4a8_kernel(name="w4a8_linear_uncompiled")
+    assert list((tmp_path / "kernels").iterdir()) == []
 
 
 @pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32),
