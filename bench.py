@@ -45,7 +45,7 @@ from generate import (cache_size, compile_pays, decode, decode_layout, generate,
 from optim import make_optimizer, optimizer_step
 from train import TRAIN_RANGES, TrainConfig
 from model import KVCache, ModelConfig, Transformer, attn_impl, autocast_dtype
-from quantize import QUANTIZED, quantize_int4, quantize_int4_dynamic, quantize_int8, quantize_int8_dynamic
+from quantize import QUANTIZED, quantize_int4, quantize_int4_dynamic, quantize_int8, quantize_int8_dynamic, runs_here
 from sample import SampleConfig, load_draft
 from study import FamilyConfig, ScalingConfig, family, scaling
 
@@ -225,8 +225,8 @@ def decode_speed(config, device, dtype, compile=None, batch=1, new=256, prompt=1
     model = Transformer(config).eval()
     quantized = {"int8": quantize_int8(copy.deepcopy(model)).to(device, weights),  # from the fp32 weights, as
                  "int4": quantize_int4(copy.deepcopy(model).to(device)).to(dtype=weights),  # sample.py does
-                 **({"int8-dynamic": quantize_int8_dynamic(copy.deepcopy(model)),  # W8A8 and W4A8: a CPU's
-                     "int4-dynamic": quantize_int4_dynamic(copy.deepcopy(model))} if device.type == "cpu" else {})}
+                 **{q: f(copy.deepcopy(model)) for q, f in (("int8-dynamic", quantize_int8_dynamic),  # W8A8 and
+                    ("int4-dynamic", quantize_int4_dynamic)) if runs_here(q, device)}}  # W4A8, where they run
     twin = hf_twin(model, device, weights)
     model = model.to(device, weights)
     plain = {"nanoformer, weights as stored": copy.deepcopy(model), "nanoformer": decode_layout(model)} \
@@ -308,9 +308,9 @@ def quantized_quality(out_dir, device, n_batches=50):
     """What int8 and int4 weights (groups of 32 and 128), and W8A8 and W4A8 on a CPU, cost a trained model: its loss on
     the same validation batches in fp32 and quantized (as sample.py loads each), and the largest logit difference."""
     kinds = [("fp32", "", 128), ("int8", "int8", 128), ("int4, groups of 32", "int4", 32), ("int4, groups of 128", "int4",
-             128)] + [("int8-dynamic (W8A8)", "int8-dynamic", 128), ("int4-dynamic (W4A8)", "int4-dynamic", 128)] * (
-             device.type == "cpu")
-    models = {name: load_model(out_dir, device, quantize=q, which="latest", group_size=g) for name, q, g in kinds}
+             128), ("int8-dynamic (W8A8)", "int8-dynamic", 128), ("int4-dynamic (W4A8)", "int4-dynamic", 128)]
+    models = {name: load_model(out_dir, device, quantize=q, which="latest", group_size=g) for name, q, g in kinds
+              if runs_here(q, device)}
     cfg, meta, c, tokens = (models["fp32"][2][k] for k in ("train_config", "meta", "model_config", "tokens"))
     data = np.memmap(os.path.join(cfg["data_dir"], cfg["dataset"], "val.bin"), dtype=meta["dtype"], mode="r")
     loss, rel = dict.fromkeys(models, 0.0), dict.fromkeys(models, 0.0)

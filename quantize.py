@@ -8,11 +8,13 @@ a kernel multiplies them without first writing them out in floating point. The t
 torch's kernels bf16 activations: on a CPU those kernels are vectorized (AVX2, AVX-512) for bf16 only, and
 fp32 activations take a scalar loop, 4x (int8) and 9x (int4) slower than fp32's own product (the
 measurements: docs/performance.md). Each kernel accumulates in fp32 and rounds its output
-to bf16; the result comes back in the dtype the layer was called with."""
+to bf16; the result comes back in the dtype the layer was called with. W8A8 and W4A8 return fp32."""
 
 import hashlib
 import itertools
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import warnings
@@ -22,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import CACHE, UsageError
+import common
+from common import UsageError
 from model import autocast_dtype
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels take
@@ -169,13 +172,15 @@ def _(x, weight, key):
 class Int4DynamicLinear(nn.Module):
     """W4A8 (--quantize=int4-dynamic), as llama.cpp multiplies Q4_0 by Q8_0: Int4Linear's 4-bit weights (the
     same groups, scales and zero points), and at each call the activations quantized to 8 bits in blocks of 32,
-    multiplied in integers by w4a8.cpp (AVX-512 VNNI, else AVX2), fp32 out, the zero points' term from the
-    exact activations. CPU only. The weights sit in w4a8.cpp's order: `weight` (out, in / 2) uint8, and
+    multiplied in integers by w4a8.cpp (AVX-512 VNNI, else AVX2, else plain C++), fp32 out, the zero points'
+    term from the exact activations. CPU only. The weights sit in w4a8.cpp's order: `weight` (out, in / 2) uint8, and
     `scale` and `zero` (out, groups) fp32, held as int32 bits (as Int4Linear holds bf16) so model.to(dtype)
     leaves them be; weight = q * scale + zero."""
 
     def __init__(self, linear, group_size=128):
         super().__init__()
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"group_size={group_size}: choose among {list(INT4_GROUP_SIZES)}")
         w4a8_kernel()  # compiled (once a machine) before the first call, which should not pay for it
         q, scales_and_zeros = int4_groups(linear.weight.detach().float().cpu(), group_size)
         scale, zero = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # (out, groups) each
@@ -184,6 +189,10 @@ class Int4DynamicLinear(nn.Module):
         self.register_buffer("scale", scale.contiguous().view(torch.int32))
         self.register_buffer("zero", (zero - 8 * scale).contiguous().view(torch.int32))  # int4_groups' q - 8
         self.bias, self.group_size = linear.bias, group_size
+
+    def __setstate__(self, state):  # unpickled in another process: the operator is loaded there too
+        super().__setstate__(state)
+        w4a8_kernel()
 
     def forward(self, x):
         if x.device.type != "cpu":
@@ -204,33 +213,43 @@ def w4a8_kernel(flags=(), name="w4a8_linear"):
         return
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w4a8.cpp")
     root = os.path.dirname(torch.__file__)
-    cmd = [os.environ.get("CXX", "c++"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DW4A8_NAME={name}", *flags,
-           f"-I{root}/include", f"-I{root}/include/torch/csrc/api/include"]
+    cmd = [*shlex.split(os.environ.get("CXX", "c++")), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+           "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DW4A8_NAME={name}",
+           *flags, f"-I{root}/include", f"-I{root}/include/torch/csrc/api/include"]
     libs = [f"-L{root}/lib", "-lc10", "-ltorch_cpu"]  # after the source: a linker drops libraries not yet needed
     cpu = os.uname().machine
-    if os.path.exists("/proc/cpuinfo"):  # Linux: the instruction sets -march=native turns on
+    if os.path.exists("/proc/cpuinfo"):  # Linux: the instruction sets -march=native turns on (x86, Arm)
         with open("/proc/cpuinfo") as f:
-            cpu = next((line for line in f if line.startswith("flags")), cpu)
+            cpu = next((line for line in f if line.startswith(("flags", "Features"))), cpu)
     with open(source) as f:
         key = hashlib.sha256("\0".join([f.read(), *cmd, torch.__version__, cpu]).encode()).hexdigest()[:16]
-    path = os.path.join(CACHE, "kernels", f"{name}-{key}.so")
+    path = os.path.join(common.CACHE, "kernels", f"{name}-{key}.so")
     if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         print(f"compiling w4a8.cpp for this processor, once, into {os.path.dirname(path)}", file=sys.stderr)
-        tmp = f"{path}.{os.getpid()}.tmp"  # renamed when whole: a compile cut short leaves no library behind
-        try:
-            done = subprocess.run([*cmd, source, "-o", tmp, *libs], capture_output=True, text=True)
-        except FileNotFoundError:
-            raise UsageError(f"--quantize=int4-dynamic compiles w4a8.cpp, and there is no C++ compiler {cmd[0]!r}: "
-                             "install g++ (or set CXX)") from None
-        if done.returncode:
-            raise RuntimeError(f"compiling w4a8.cpp failed: {' '.join(cmd)}\n{done.stderr}")
-        os.replace(tmp, path)
+        with common.cache_tmpdir() as tmp:  # the library takes its name when whole: a compile cut short leaves none
+            try:
+                done = subprocess.run([*cmd, source, "-o", os.path.join(tmp, "w4a8.so"), *libs],
+                                      capture_output=True, text=True)
+            except FileNotFoundError:
+                raise UsageError(f"--quantize=int4-dynamic compiles w4a8.cpp, and there is no C++ compiler "
+                                 f"{cmd[0]!r}: install g++ (or set CXX)") from None
+            if done.returncode:
+                raise RuntimeError(f"compiling w4a8.cpp failed: {' '.join(cmd)}\n{done.stderr}")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.replace(os.path.join(tmp, "w4a8.so"), path)
     torch.ops.load_library(path)
     W4A8_LOADED.add(name)
     torch.library.register_fake(f"nanoformer::{name}")(
         lambda x, weight, scale, zero, group_size, bias: x.new_empty(x.size(0), weight.size(0)))
+
+
+def runs_here(quantize, device):
+    """Whether the format `quantize` (sample.py's --quantize: "", "int8", "int4", "int8-dynamic",
+    "int4-dynamic") runs on device here: W8A8 and W4A8 on a CPU only, W4A8 where a C++ compiler can
+    build w4a8.cpp ($CXX, else c++)."""
+    if quantize.endswith("-dynamic") and device.type != "cpu":
+        return False
+    return quantize != "int4-dynamic" or shutil.which(shlex.split(os.environ.get("CXX", "c++"))[0]) is not None
 
 
 W4A8_LOADED = set()

@@ -42,14 +42,15 @@ void quantize_row(const float* x, int64_t K, int64_t group_size, int8_t* q, floa
     const float* xc = x + c * CHUNK;
     float amax = 0.f;
     for (int i = 0; i < CHUNK; i++) amax = std::max(amax, std::fabs(xc[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    d[c] = amax / 127.f;
+    const bool tiny = !(amax > 1e-30f);  // 127 / amax would overflow (or x holds NaN): the block counts as zeros
+    const float inv = tiny ? 0.f : 127.f / amax;
+    d[c] = tiny ? 0.f : amax / 127.f;
     for (int i = 0; i < CHUNK; i++) q[c * CHUNK + i] = (int8_t)std::nearbyint(xc[i] * inv);
   }
   for (int64_t g = 0; g < K / group_size; g++) {
-    float sum = 0.f;
+    double sum = 0.;  // in double, so that the sum rounds once: its group's zero multiplies all of it
     for (int64_t i = 0; i < group_size; i++) sum += x[g * group_size + i];
-    s[g] = sum;
+    s[g] = (float)sum;
   }
 #if VNNI  // 4 chunks (128 bytes) as dot_row reads them with 64-byte registers: their low halves, then high halves
   int8_t t[4 * CHUNK];
@@ -85,9 +86,11 @@ float dot_row(const uint8_t* w, const float* scale, int64_t cpg, const int8_t* q
                                           hi, _mm512_loadu_si512(q + c * CHUNK + 64));
     const __m512 dd = _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(_mm_loadu_ps(d + c)));
     const float* sc = scale + c / cpg;  // groups of 32 or 64 weights put 4 or 2 scales in a step
-    const __m512 ss = cpg >= 4 ? _mm512_set1_ps(*sc)
-        : cpg == 2 ? _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double*)sc))))
-                   : _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(_mm_loadu_ps(sc)));  // 2 floats, or 4
+    __m512 ss;
+    if (cpg >= 4) ss = _mm512_set1_ps(*sc);
+    else if (cpg == 2)  // 2 floats, no further: the last row's last step may end the array there
+      ss = _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)sc))));
+    else ss = _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(_mm_loadu_ps(sc)));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dd, ss), acc);
   }
   total = _mm512_reduce_add_ps(acc);
@@ -116,11 +119,16 @@ float dot_row(const uint8_t* w, const float* scale, int64_t cpg, const int8_t* q
 
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& zero,
                        int64_t group_size, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "w4a8_linear: x is (M, K) fp32 on a CPU");
+  // groups of 32, 64 or a multiple of 128: a step of dot_row's 4 chunks holds 4, 2 or 1 group scales
+  TORCH_CHECK(group_size == 32 || group_size == 64 || (group_size > 0 && group_size % 128 == 0),
+              "w4a8_linear: group_size is 32, 64 or a multiple of 128");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), G = K / group_size, cpg = group_size / CHUNK;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "w4a8_linear: x is (M, K) fp32");
-  TORCH_CHECK(group_size % CHUNK == 0 && K % group_size == 0 && weight.size(1) == K / 2 && weight.is_contiguous() &&
-              scale.is_contiguous() && zero.is_contiguous() && scale.numel() == N * G && zero.numel() == N * G,
-              "w4a8_linear: weight (N, K / 2), scale and zero (N, K / group_size), group_size a multiple of 32");
+  TORCH_CHECK(K % group_size == 0 && weight.dim() == 2 && weight.size(1) == K / 2 && weight.is_contiguous() &&
+              scale.is_contiguous() && zero.is_contiguous() && scale.numel() == N * G && zero.numel() == N * G &&
+              (!bias.has_value() || (bias->numel() == N && bias->is_contiguous())),
+              "w4a8_linear: weight (N, K / 2), scale and zero (N, K / group_size), bias (N)");
   auto y = at::empty({M, N}, x.options());
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * (K / CHUNK)), sx(M * G);

@@ -11,6 +11,7 @@ significant bits): each adds at most 2^-8 * Σ|x||ŵ|. A bias added in fp32 roun
 result."""
 
 import copy
+import platform
 import shutil
 
 import pytest
@@ -18,13 +19,14 @@ import torch
 import torch.nn as nn
 
 import generate as generate_module
+import common
 from common import UsageError
 import quantize as quantize_module
 from generate import generate
 from lora import LoRALinear
 from generate import SplitLinear, decode_layout
 from quantize import (Int4DynamicLinear, Int4Linear, Int8DynamicLinear, Int8Linear, int4_groups, quantize_int4,
-                      quantize_int4_dynamic, quantize_int8, quantize_int8_dynamic, w4a8_kernel)
+                      quantize_int4_dynamic, quantize_int8, quantize_int8_dynamic, runs_here, w4a8_kernel)
 
 V = 61  # tiny_model's vocabulary
 BF16 = 2.0**-8  # the relative rounding of a bf16 (8 significant bits), to nearest
@@ -59,58 +61,86 @@ def dequantized_int4(w, group_size):
     return ((q.view(q.size(0), -1, group_size) - 8) * scale[..., None] + zero[..., None]).view(q.shape)
 
 
-CXX = pytest.mark.skipif(shutil.which("c++") is None, reason="w4a8.cpp and inductor compile with a C++ compiler")
+CXX = pytest.mark.skipif(not runs_here("int4-dynamic", torch.device("cpu")), reason="w4a8.cpp needs a C++ compiler")
 
 
-def w4a8_bound(x, w, zero, group_size):
-    """W4A8: the kernel rounds x to 8 bits in blocks of 32 (a step d = max |x| / 127 a block) and multiplies
-    the rounded x by each weight's q * scale = w - zero exactly in integers, the zero points' term by the exact
-    x. So an output is within Σ |w - zero| d / 2 of x wᵀ + b, plus fp32's rounding, at most (in + 1) 2^-24 of
-    the sum of the terms' sizes, Σ (|w| + |zero|)(|x| + d)."""
-    d = (x.double().abs().reshape(*x.shape[:-1], -1, 32).amax(-1) / 127).repeat_interleave(32, dim=-1)  # (M, in)
-    z = zero.double().repeat_interleave(group_size, dim=1)  # (out, in)
-    half_steps = (d / 2) @ (w - z).abs().T
-    arithmetic = (x.size(-1) + 1) * FP32 * ((x.double().abs() + d) @ (w.abs() + z.abs()).T)
-    return half_steps, arithmetic
+def uneven_linear(n_in, n_out, group_size):
+    """A Linear whose groups of weights differ in size by factors of up to about 50, so that a group's
+    scale or zero point taken for another's shows far beyond rounding."""
+    linear = nn.Linear(n_in, n_out)
+    with torch.no_grad():
+        linear.weight *= (4 ** torch.randn(n_out, n_in // group_size)).repeat_interleave(group_size, dim=1)
+    return linear
+
+
+def w4a8_reference(layer, x):
+    """What w4a8.cpp computes, in float64 from its roundings (x in blocks of 32 to 8 bits: 127 / max |x|
+    and the product in fp32, rounded half to even, as the kernel does): Σ d q8 · q4 scale over each block, plus
+    zero · Σ x over each group (which the kernel sums in float64, then rounds once), plus the bias; and the sizes
+    of those terms, Σ |each term|."""
+    g, (M, K) = layer.group_size, x.shape
+    blocks = x.reshape(M, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    x8 = (torch.round(blocks * (127 / amax)) * (amax / 127).double()).reshape(M, K)  # each block's d q8
+    lo, hi = layer.weight.view(layer.weight.size(0), -1, 16) & 15, layer.weight.view(layer.weight.size(0), -1, 16) >> 4
+    q4 = torch.cat([lo, hi], dim=-1).flatten(1).double()  # (out, in): a block's bytes hold weights i and i + 16
+    scale, zero = (t.view(torch.float32).double().repeat_interleave(g, dim=1) for t in (layer.scale, layer.zero))
+    sums = x.double().reshape(M, -1, g).sum(-1).repeat_interleave(g, dim=1) / g  # Σ x over each group, spread
+    bias = layer.bias.double()
+    y = x8 @ (q4 * scale).T + sums @ zero.T + bias
+    return y, x8.abs() @ (q4 * scale).abs().T + sums.abs() @ zero.abs().T + bias.abs()
+
+
+GROUPS = [(32, 416), (64, 448), (128, 384), (256, 512)]  # 416 and 448 inputs leave blocks after VNNI's steps of 128
 
 
 @CXX
-@pytest.mark.parametrize("group_size, n_in", [(32, 416), (64, 448), (128, 384), (256, 512)])
-def test_int4_dynamic_linear_is_within_half_a_step_of_each_activation_block(group_size, n_in):
-    """416 and 448 inputs leave chunks of 32 after the kernel's steps of 128; 41 rows leave one after its
-    blocks of 4 rows."""
+@pytest.mark.parametrize("group_size, n_in", GROUPS)
+def test_int4_dynamic_linear_computes_w4a8s_product_within_half_a_step_of_each_activation(group_size, n_in):
+    """Against the dequantized weights' product x ŵᵀ + b: each activation rounds to 8 bits in blocks of 32 (a
+    step d = max |x| / 127 a block) and multiplies each weight's q * scale = ŵ - zero, the zero points' term
+    taking the exact x: within Σ |ŵ - zero| d / 2, plus fp32's rounding. Against w4a8_reference, which
+    rounds x as the kernel does: within fp32's rounding of the sums, (blocks + groups + 32) 2^-24 of
+    their terms' sizes."""
     torch.manual_seed(0)
-    linear = nn.Linear(n_in, 41)
+    linear = uneven_linear(n_in, 41, group_size)
     q = Int4DynamicLinear(linear, group_size)
     x = torch.randn(5, n_in) * torch.rand(5, 1) * 4
-    w = dequantized_int4(linear.weight, group_size)
-    scale, zero = int4_groups(linear.weight.detach().float(), group_size)[1].double().transpose(0, 1).unbind(-1)
     with torch.no_grad():
         y = q(x)
-    half_steps, arithmetic = w4a8_bound(x, w, zero - 8 * scale, group_size)
+        reference, sizes = w4a8_reference(q, x)
+        w = dequantized_int4(linear.weight, group_size)
+    arithmetic = (n_in // 32 + n_in // group_size + 32) * FP32 * sizes
+    assert ((y.double() - reference).abs() <= arithmetic).all()
+    d = (x.double().abs().reshape(5, -1, 32).amax(-1) / 127).repeat_interleave(32, dim=-1)
     err = (y.double() - (x.double() @ w.T + linear.bias.double())).abs()
-    assert (err <= half_steps + arithmetic).all()
-    assert err.max() > 10 * arithmetic.max()  # the activations were rounded: not the weight-only product
+    half_steps = (d / 2) @ (w - q.zero.view(torch.float32).double().repeat_interleave(group_size, dim=1)).abs().T
+    assert (err <= half_steps + (n_in + 1) * FP32 * sizes).all()
+    assert err.max() > 100 * arithmetic.max()  # the activations were rounded: not the weight-only product
     assert q(x[:, None]).shape == (5, 1, 41) and y.dtype == torch.float32 and q(torch.randn(0, n_in)).shape == (0, 41)
     assert q.weight.numel() * 2 == 41 * n_in and q.weight.dtype == torch.uint8  # 4 bits a weight
+    with pytest.raises(ValueError, match="group_size=96"):
+        Int4DynamicLinear(linear, 96)
+    with pytest.raises(RuntimeError, match="group_size is 32, 64 or a multiple of 128"):
+        torch.ops.nanoformer.w4a8_linear(x, q.weight, q.scale.view(torch.float32), q.zero.view(torch.float32), 96, None)
 
 
 @CXX
-def test_w4a8s_avx2_build_computes_what_this_processors_build_does():
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AVX2 is x86's")
+@pytest.mark.parametrize("group_size, n_in", GROUPS)
+def test_w4a8s_avx2_build_computes_what_the_reference_does(group_size, n_in):
     """w4a8.cpp has a path for AVX-512 VNNI, one for AVX2 and one in plain C++ (which also takes what is
-    left after the others' steps: 416 inputs leave 1 chunk of 32 after VNNI's steps of 128). Built here for
-    this processor, and again without AVX-512 (a library of its own, in the cache), the two agree to fp32's
-    rounding of their different orders of summing."""
-    torch.manual_seed(0)
-    q = Int4DynamicLinear(nn.Linear(416, 41), 32)
-    x = torch.randn(3, 416)
-    args = (q.weight, q.scale.view(torch.float32), q.zero.view(torch.float32), 32, q.bias.detach())
-    native = torch.ops.nanoformer.w4a8_linear(x, *args)
+    left after the others' steps). Built again without AVX-512 (a library of its own, in the cache), the
+    AVX2 path is within fp32's rounding of w4a8_reference too."""
+    torch.manual_seed(1)
+    q = Int4DynamicLinear(uneven_linear(n_in, 41, group_size), group_size)
+    x = torch.randn(3, n_in)
     w4a8_kernel(("-mno-avx512f",), "w4a8_linear_avx2")
-    avx2 = torch.ops.nanoformer.w4a8_linear_avx2(x, *args)
-    scale, zero = (t.double().repeat_interleave(32, dim=1) for t in args[1:3])  # (out, in)
-    sizes = (x.double().abs() * 2) @ (scale * 15 + zero.abs()).T  # the terms' sizes: |x8 d| <= 2 |x|, q <= 15
-    assert ((avx2 - native).abs().double() <= 2 * (416 + 1) * FP32 * sizes + FP32 * native.abs()).all()
+    with torch.no_grad():
+        y = torch.ops.nanoformer.w4a8_linear_avx2(x, q.weight, q.scale.view(torch.float32), q.zero.view(torch.float32),
+                                                  group_size, q.bias)
+        reference, sizes = w4a8_reference(q, x)
+    assert ((y.double() - reference).abs() <= (n_in // 32 + n_in // group_size + 32) * FP32 * sizes).all()
 
 
 def dequantize_model(model, group_size):
@@ -240,12 +270,13 @@ def test_quantize_int4_leaves_the_layers_whose_width_its_group_does_not_divide(t
         quantize_int4(tiny_model(), group_size=48)
 
 
-def test_w4a8_without_a_compiler_stops_in_one_line_and_writes_nothing(monkeypatch, tmp_path):
+def test_w4a8_without_a_compiler_stops_in_one_line_and_leaves_nothing_in_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler")
-    monkeypatch.setattr(quantize_module, "CACHE", str(tmp_path))
+    monkeypatch.setattr(common, "CACHE", str(tmp_path))
+    assert not runs_here("int4-dynamic", torch.device("cpu")) and runs_here("int8-dynamic", torch.device("cpu"))
     with pytest.raises(UsageError, match=r"no C\+\+ compiler 'no-such-compiler': install g\+\+ \(or set CXX\)"):
         w4a8_kernel(name="w4a8_linear_uncompiled")
-    assert list((tmp_path / "kernels").iterdir()) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32),

@@ -23,7 +23,7 @@ import train
 from data import new_model_config
 from generate import generate
 from model import ModelConfig, Transformer
-from quantize import Int4DynamicLinear, Int8DynamicLinear, quantize_int8
+from quantize import Int4DynamicLinear, Int8DynamicLinear, quantize_int8, runs_here
 
 # what sample.py prints on stderr before it samples: the checkpoint it loaded (its iteration, val loss)
 LOADED = r"sample\.py: out-ok/best\.pt: iteration 4, [^\n]*\n"
@@ -207,7 +207,9 @@ def test_sample_in_bf16_holds_the_weights_in_bf16_with_or_without_a_draft(target
     assert fast == text  # the draft, loaded in the target's dtype: greedy, the same text
 
 
-@pytest.mark.parametrize("quantize, layer", [("int8-dynamic", Int8DynamicLinear), ("int4-dynamic", Int4DynamicLinear)])
+@pytest.mark.parametrize("quantize, layer", [("int8-dynamic", Int8DynamicLinear), pytest.param(
+    "int4-dynamic", Int4DynamicLinear, marks=pytest.mark.skipif(not runs_here("int4-dynamic", torch.device("cpu")),
+                                                                reason="w4a8.cpp needs a C++ compiler"))])
 def test_sample_with_activations_quantized_prints_the_models_text_and_names_its_path(target_and_draft, sample_py,
                                                                                       quantize, layer):
     d = target_and_draft
