@@ -31,6 +31,11 @@ from model import autocast_dtype
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels take
 
 
+def check_group_size(group_size):
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size={group_size}: choose among {list(INT4_GROUP_SIZES)}")
+
+
 class Int8Linear(nn.Module):
     """A Linear layer with its weights stored as int8, one bf16 scale per output channel (4x
     smaller than fp32, 2x than bf16): the weight is weight * scale.view(torch.bfloat16)[:, None]."""
@@ -179,8 +184,7 @@ class Int4DynamicLinear(nn.Module):
 
     def __init__(self, linear, group_size=128):
         super().__init__()
-        if group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"group_size={group_size}: choose among {list(INT4_GROUP_SIZES)}")
+        check_group_size(group_size)
         w4a8_kernel()  # compiled (once a machine) before the first call, which should not pay for it
         q, scales_and_zeros = int4_groups(linear.weight.detach().float().cpu(), group_size)
         scale, zero = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # (out, groups) each
@@ -213,7 +217,7 @@ def w4a8_kernel(flags=(), name="w4a8_linear"):
         return
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w4a8.cpp")
     root = os.path.dirname(torch.__file__)
-    cmd = [*shlex.split(os.environ.get("CXX", "c++")), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+    cmd = [*compiler(), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
            "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DW4A8_NAME={name}",
            *flags, f"-I{root}/include", f"-I{root}/include/torch/csrc/api/include"]
     libs = [f"-L{root}/lib", "-lc10", "-ltorch_cpu"]  # after the source: a linker drops libraries not yet needed
@@ -249,7 +253,12 @@ def runs_here(quantize, device):
     build w4a8.cpp ($CXX, else c++)."""
     if quantize.endswith("-dynamic") and device.type != "cpu":
         return False
-    return quantize != "int4-dynamic" or shutil.which(shlex.split(os.environ.get("CXX", "c++"))[0]) is not None
+    return quantize != "int4-dynamic" or shutil.which(compiler()[0]) is not None
+
+
+def compiler():
+    """The C++ compiler's command: $CXX (which may carry arguments: "ccache g++"), else c++."""
+    return shlex.split(os.environ.get("CXX", "c++"))
 
 
 W4A8_LOADED = set()
@@ -298,8 +307,7 @@ def quantize_int8_dynamic(model):
 def quantize_int4_dynamic(model, group_size=128):
     """Replace every nn.Linear in model (on a CPU) whose in_features group_size divides by an
     Int4DynamicLinear, in place; returns the model. A tied lm_head gets its own copy."""
-    if group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"group_size={group_size}: choose among {list(INT4_GROUP_SIZES)}")
+    check_group_size(group_size)
     refuse_other_linears(model)
     return replace_linears(model, lambda m: Int4DynamicLinear(m, group_size) if m.in_features % group_size == 0 else m)
 
@@ -309,8 +317,7 @@ def quantize_int4(model, group_size=128):
     for the device model is on: move the model there first. Returns the model. A layer whose
     in_features group_size does not divide stays as it is (torch's kernels read whole groups). A
     tied lm_head gets its own int4 copy; the embedding keeps its weights."""
-    if group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"group_size={group_size}: choose among {list(INT4_GROUP_SIZES)}")
+    check_group_size(group_size)
     if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
         raise RuntimeError(f"int4 weights need torch >= 2.6 (its int4 kernels' layout); this is {torch.__version__}")
     refuse_other_linears(model)
