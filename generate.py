@@ -191,8 +191,8 @@ def compile_pays(model, device, new, samples=1, prompt=1):
     (compile=None). Only the tokens decoded through the cache count: with absolute positions (or a
     prefix LM's) those before block_size (past it the context is recomputed at every token, as nanoGPT
     does). On a CPU, GPT-2 124M's compile read back from inductor's cache on disk paid for itself
-    within 1,500-3,800 tokens in int8 and int4, and fp32's (frozen, never read back) within 5,000-6,700
-    (docs/performance.md); on CUDA the same count is taken unmeasured. Only for a decoder (or
+    within 900-3,800 tokens in fp32, int8 and int4 (docs/performance.md); on CUDA the same count is
+    taken unmeasured. Only for a decoder (or
     encoder-decoder) on a CUDA GPU or a CPU with a C++ compiler (inductor's); not for an attention
     that keeps nothing or a mixture of experts (not measured)."""
     c = model.config
@@ -409,9 +409,9 @@ def decode_layout(model):
     and bench.py call it; a model on another device comes back as it is).
     Its weight W (out, in) is stored as the transpose of a contiguous (in, out) matrix, so F.linear
     computes x @ Wᵀ as a plain product, which streams a matrix-vector product's weights faster (bench.py
-    sample times both layouts); and a plain fp32 nn.Linear of two SPLIT_BYTES or more becomes a
-    SplitLinear, in blocks of SPLIT_BYTES or more, one a thread at most. A tied embedding then reads its
-    rows strided: one row per token."""
+    sample times both layouts); and each plain fp32 nn.Linear becomes a SplitLinear, in blocks of
+    SPLIT_BYTES or more, one a thread at most (one block: split nothing, but a frozen step's product all
+    the same). A tied embedding then reads its rows strided: one row per token."""
     if next(model.parameters()).device.type != "cpu":
         return model
     for m in model.modules():
@@ -419,7 +419,7 @@ def decode_layout(model):
             m.weight.data = m.weight.data.t().contiguous().t()
     parts = lambda m: min(torch.get_num_threads(), m.weight.nbytes // SPLIT_BYTES)  # noqa: E731
     fp32 = lambda m: plain_linear(m) and m.weight.dtype == torch.float32  # noqa: E731
-    return replace_linears(model, lambda m: SplitLinear(m, parts(m)) if fp32(m) and parts(m) > 1 else m)
+    return replace_linears(model, lambda m: SplitLinear(m, max(1, parts(m))) if fp32(m) else m)
 
 
 SPLIT_BYTES = 2 ** 21  # below about 2 MB a block, splitting costs more than it saves
@@ -432,19 +432,21 @@ class SplitLinear(nn.Linear):
     so the (in, out) weight's columns are viewed, without a copy, as `parts` blocks (parts, in,
     out / parts), and the row multiplies each block at once. Several rows (a prompt) take torch's
     own multi-threaded product, as do other dtypes (torch's bf16 bmm would copy the blocks at every
-    call), autocast and autograd."""
+    call), autocast and autograd. A frozen compiled step takes frozen_product."""
 
     def __init__(self, linear, parts):
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")  # no weight of its own
         self.weight, self.bias, self.parts = linear.weight, linear.bias, parts  # the same tensors: ties hold
 
     def forward(self, x):
-        if torch.compiler.is_compiling() and FROZEN[0] and not torch.is_grad_enabled():  # the weight as nn.Linear:
-            return F.linear(x, self.weight.contiguous(), self.bias)  # freezing folds the copy (CPU_INDUCTOR)
-        if (x.numel() != x.size(-1) or self.weight.dtype != torch.float32 or torch.is_grad_enabled()
-                or torch.is_autocast_enabled(x.device.type)):
+        if torch.is_grad_enabled() or self.weight.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
             return F.linear(x, self.weight, self.bias)
-        y = split_product(x.reshape(1, -1), self.weight.t(), self.parts)
+        if torch.compiler.is_compiling() and FROZEN[0]:
+            y = frozen_product(x.reshape(-1, self.in_features), self.weight)
+        elif x.numel() == x.size(-1) and self.parts > 1:  # one row
+            y = split_product(x.reshape(1, -1), self.weight.t(), self.parts)
+        else:
+            return F.linear(x, self.weight, self.bias)
         return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
 
 
@@ -454,3 +456,14 @@ def split_product(x: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
     blocks = w[:, :parts * q].reshape(w.size(0), parts, q).transpose(0, 1)  # (parts, in, q): a view
     y = torch.bmm(x.reshape(1, 1, -1).expand(parts, 1, -1), blocks).view(1, parts * q)
     return y if parts * q == w.size(1) else torch.cat([y, x @ w[:, parts * q:]], dim=1)
+
+
+def frozen_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (n, in) @ wᵀ, w (out, in), in a frozen compiled step: written by inductor's C++ GEMM template from w
+    packed at compile time (CPU_INDUCTOR), as F.linear's product would be. But inductor's MKL pass packs
+    F.linear's frozen weight first, and never keeps a step holding such weights in its cache on disk
+    (every process compiled it again); a batched product escapes that pass. A single row inductor writes
+    as a sum per output instead, slower than the template: so one row goes in twice (docs/performance.md)."""
+    rows = x if x.size(0) > 1 else torch.cat([x, x])
+    return torch.bmm(rows.unsqueeze(0), w.t().unsqueeze(0))[0, :x.size(0)]
+

@@ -386,6 +386,11 @@ def test_a_split_linear_splits_only_fp32_rows_without_autograd_or_autocast(monke
     adapted = decode_layout(nn.Sequential(LoRALinear(nn.Linear(32, 64), rank=4, alpha=8)))
     assert type(adapted[0]) is LoRALinear  # a Linear of another kind keeps its forward (here its update)
     assert type(decode_layout(nn.Sequential(nn.Linear(32, 64)))[0]) is SplitLinear
+    small = decode_layout(nn.Sequential(nn.Linear(8, 16)))[0]  # below two blocks: one part, torch's own product
+    assert type(small) is SplitLinear and small.parts == 1
+    with torch.no_grad():
+        small(torch.randn(1, 8))
+    assert len(calls) == 1
 
 
 def test_decode_layout_splits_the_large_layers_and_keeps_the_logits_and_the_tie(tiny_model, monkeypatch):
@@ -395,8 +400,8 @@ def test_decode_layout_splits_the_large_layers_and_keeps_the_logits_and_the_tie(
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # at most a block a thread
     model = decode_layout(model)
     split = {n: m.parts for n, m in model.named_modules() if isinstance(m, SplitLinear)}
-    assert split == {"lm_head": 2, **{f"decoder.h.{i}.{n}": 2 for i in range(2)
-                                      for n in ("attn.c_attn", "mlp.c_fc", "mlp.c_proj")}}
+    assert split == {"lm_head": 2, **{f"decoder.h.{i}.{n}": 1 if n == "attn.c_proj" else 2 for i in range(2)
+                                      for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}}
     assert model.lm_head.weight is model.wte.weight  # tied still
     assert all(m.weight.t().is_contiguous() for m in model.modules() if isinstance(m, nn.Linear))
     with torch.no_grad():
@@ -411,5 +416,26 @@ def test_split_layers_decode_the_same_through_the_compiled_step(tiny_model, monk
     monkeypatch.setattr(generate_module, "SPLIT_BYTES", 3072)  # as above: most layers split in two
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     model, idx = decode_layout(tiny_model(pos="rope")), prompt(4)
-    assert sum(isinstance(m, SplitLinear) for m in model.modules()) == 7  # compiled: plain products, which inductor writes
+    assert sum(isinstance(m, SplitLinear) for m in model.modules()) == 9  # compiled: plain products, which inductor writes
     assert torch.equal(generate(model, idx, 6, temperature=0, compile=True), generate(model, idx, 6, temperature=0))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
+def test_a_frozen_fp32_step_laid_out_for_decoding_is_kept_in_inductors_cache_on_disk(tiny_model, monkeypatch,
+                                                                                      tmp_path):
+    """decode_layout's layers reach a frozen step as batched products, which inductor's MKL weight-pack pass
+    leaves alone: a graph holding MKL-packed weights is never written to inductor's cache, so that every
+    process compiled fp32's step again (as the model as stored still does)."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first laid-out compile is cold
+    seen = []
+    for laid_out in (False, True, True):
+        model, before = tiny_model(pos="rope"), counters["inductor"].copy()
+        out = generate(decode_layout(model) if laid_out else model, prompt(4), 6, temperature=0, compile=True)
+        seen.append({k: counters["inductor"][k] - before[k] for k in ("fxgraph_cache_bypass", "fxgraph_cache_miss",
+                                                                     "fxgraph_cache_hit")})
+        assert torch.equal(out, generate(model, prompt(4), 6, temperature=0))
+    stored, cold, read_back = seen
+    assert stored["fxgraph_cache_bypass"] > 0
+    assert cold["fxgraph_cache_bypass"] == 0 and cold["fxgraph_cache_miss"] > 0
+    assert read_back["fxgraph_cache_bypass"] == read_back["fxgraph_cache_miss"] == 0 and read_back["fxgraph_cache_hit"] > 0
