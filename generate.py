@@ -10,6 +10,7 @@ matrix-vector products, which sample.py and bench.py apply.
 """
 
 import contextlib
+import hashlib
 import math
 import os
 import shutil
@@ -97,8 +98,9 @@ def decode(model, idx, input_pos, src_mask=None, slots_used=None):
     return model(idx, src_mask=src_mask, input_pos=input_pos, slots_used=slots_used)[0][:, -1]
 
 
-def compiled(device, step=decode, freeze=False, **options):
-    """The decode step (or a copy of it: own_step) compiled (options: torch.compile's). On a GPU: one
+def compiled(device, step=decode, freeze=None, **options):
+    """The decode step (or a copy of it: own_step) compiled (options: torch.compile's); on a CPU, with the
+    weights frozen into it where freeze names them (weights_digest: own_step). On a GPU: one
     static graph per cache size, replayed as a CUDA graph. On a CPU, inductor code called from C++,
     where slots_used grows by one a step: dynamo compiles the first count as a constant, and at the
     second makes it a size (its automatic dynamic shapes), so one more graph serves every count (and
@@ -111,7 +113,7 @@ def compiled(device, step=decode, freeze=False, **options):
     if device.type != "cpu" or "backend" in options:
         return torch.compile(step, **options)  # not dynamic=True: every shape a size, slower (docs/model.md)
     step = torch.compile(step, options={**CPU_INDUCTOR, **options.pop("options", {})}, **options)
-    return frozen(step) if freeze else step
+    return frozen(step, freeze) if freeze else step
 
 
 # On a CPU: inductor's kernels called from C++, not Python, and its C++ GEMM templates (max-autotune's),
@@ -119,19 +121,32 @@ def compiled(device, step=decode, freeze=False, **options):
 CPU_INDUCTOR = dict(cpp_wrapper=True, max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN")
 
 
-def frozen(step):
+def frozen(step, digest):
     """step run with inductor's freezing on, which dynamo reads as it traces (then the weights are constants
-    of the graph, guarded by identity: see reuse_caches) and inductor as it compiles. Set, not patched,
+    of the graph, guarded by identity: see reuse_caches) and inductor as it compiles, and with the
+    weights' digest in the key of each graph inductor keeps on disk: that key holds the frozen weights'
+    shapes, not their values, yet the step read back holds weights packed from them (its GEMM
+    templates'), so another model of the same shapes would read back this one's. Set, not patched,
     around each call: torch's config.patch costs 20 us."""
     import torch._inductor.config as config
 
     def run(*args, **kwargs):
-        before, config.freezing, FROZEN[0] = config.freezing, True, True
+        before = config.freezing, torch.compiler.config.cache_key_tag
+        config.freezing, torch.compiler.config.cache_key_tag, FROZEN[0] = True, digest, True
         try:
             return step(*args, **kwargs)
         finally:
-            config.freezing, FROZEN[0] = before, False
+            (config.freezing, torch.compiler.config.cache_key_tag), FROZEN[0] = before, False
     return run
+
+
+def weights_digest(model):
+    """SHA-256 of the model's parameters and buffers, bytes and shapes (0.5 s for GPT-2 124M in fp32)."""
+    digest = hashlib.sha256()
+    for t in (*model.parameters(), *model.buffers()):
+        digest.update(repr((t.dtype, tuple(t.shape))).encode())
+        digest.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 FROZEN = [False]  # inside a frozen step (SplitLinear reads it as it is traced)
@@ -155,7 +170,7 @@ def own_step(model, device):
     key = device.type, sum(t._version for t in (*model.parameters(), *model.buffers()))
     if STEPS.get(model, (None,))[0] != key:
         step = types.FunctionType(decode.__code__.replace(), decode.__globals__)
-        STEPS[model] = key, compiled(device, step, freeze=freezes(model, device))
+        STEPS[model] = key, compiled(device, step, freeze=weights_digest(model) if freezes(model, device) else None)
     return STEPS[model][1]
 
 
@@ -410,8 +425,9 @@ def decode_layout(model):
     Its weight W (out, in) is stored as the transpose of a contiguous (in, out) matrix, so F.linear
     computes x @ Wᵀ as a plain product, which streams a matrix-vector product's weights faster (bench.py
     sample times both layouts); and each plain fp32 nn.Linear becomes a SplitLinear, in blocks of
-    SPLIT_BYTES or more, one a thread at most (one block: split nothing, but a frozen step's product all
-    the same). A tied embedding then reads its rows strided: one row per token."""
+    SPLIT_BYTES or more, one a thread at most: a layer below two blocks is not split, but its product
+    in a frozen compiled step is frozen_product's too. A tied embedding then reads its rows strided:
+    one row per token."""
     if next(model.parameters()).device.type != "cpu":
         return model
     for m in model.modules():
@@ -426,13 +442,14 @@ SPLIT_BYTES = 2 ** 21  # below about 2 MB a block, splitting costs more than it 
 
 
 class SplitLinear(nn.Linear):
-    """A Linear layer whose product with one row of input runs on several cores. torch's fp32
+    """A Linear layer whose product with one row of input runs on `parts` cores. torch's fp32
     matrix-vector product on a CPU runs on one core, which reads the weights at about half the rate
     that two do (docs/performance.md). A batched product runs its batch on all of torch's threads:
     so the (in, out) weight's columns are viewed, without a copy, as `parts` blocks (parts, in,
     out / parts), and the row multiplies each block at once. Several rows (a prompt) take torch's
     own multi-threaded product, as do other dtypes (torch's bf16 bmm would copy the blocks at every
-    call), autocast and autograd. A frozen compiled step takes frozen_product."""
+    call), autocast and autograd; so does a layer of one part. A frozen compiled step takes
+    frozen_product, for one row or several."""
 
     def __init__(self, linear, parts):
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")  # no weight of its own
@@ -441,11 +458,11 @@ class SplitLinear(nn.Linear):
     def forward(self, x):
         if torch.is_grad_enabled() or self.weight.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
             return F.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling() and FROZEN[0]:
-            y = frozen_product(x.reshape(-1, self.in_features), self.weight)
-        elif x.numel() == x.size(-1) and self.parts > 1:  # one row
+        if torch.compiler.is_compiling() and FROZEN[0]:  # traced into a frozen step: every row
+            y = frozen_product(x.reshape(-1, self.in_features), self.weight.t())
+        elif x.numel() == x.size(-1) and self.parts > 1:  # one row, eager
             y = split_product(x.reshape(1, -1), self.weight.t(), self.parts)
-        else:
+        else:  # a prompt's rows, or a layer of one part
             return F.linear(x, self.weight, self.bias)
         return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
 
@@ -459,11 +476,12 @@ def split_product(x: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
 
 
 def frozen_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (n, in) @ wᵀ, w (out, in), in a frozen compiled step: written by inductor's C++ GEMM template from w
-    packed at compile time (CPU_INDUCTOR), as F.linear's product would be. But inductor's MKL pass packs
-    F.linear's frozen weight first, and never keeps a step holding such weights in its cache on disk
-    (every process compiled it again); a batched product escapes that pass. A single row inductor writes
-    as a sum per output instead, slower than the template: so one row goes in twice (docs/performance.md)."""
+    """x (n, in) @ w (in, out) in a frozen compiled step, as one batched product (bmm) of a batch of one.
+    inductor writes it with its C++ GEMM template (CPU_INDUCTOR), from w packed at compile time into
+    tensors its cache on disk keeps. A plain product (F.linear's mm) its MKL pass would pack first
+    (fx_passes/mkldnn_fusion.py matches mm and addmm), into tensors it cannot keep: every process compiled
+    the step again. A bmm of one row inductor writes as a sum per output (kernel/bmm.py), slower than its
+    template: so one row goes in twice (docs/performance.md)."""
     rows = x if x.size(0) > 1 else torch.cat([x, x])
-    return torch.bmm(rows.unsqueeze(0), w.t().unsqueeze(0))[0, :x.size(0)]
+    return torch.bmm(rows.unsqueeze(0), w.unsqueeze(0))[0, :x.size(0)]
 
