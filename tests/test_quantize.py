@@ -415,10 +415,12 @@ def test_decode_layout_splits_the_large_layers_and_keeps_the_logits_and_the_tie(
 def test_split_layers_decode_the_same_through_the_compiled_step(tiny_model, monkeypatch):
     monkeypatch.setattr(generate_module, "SPLIT_BYTES", 3072)  # as above: most layers split in two
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    model = decode_layout(tiny_model(pos="rope"))
+    from torch._dynamo.utils import counters
+    packed, model = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"], decode_layout(tiny_model(pos="rope"))
     assert sum(isinstance(m, SplitLinear) for m in model.modules()) == 9  # compiled: frozen_product, one row or two
     for idx in (prompt(4), prompt(4, B=2)):
         assert torch.equal(generate(model, idx, 6, temperature=0, compile=True), generate(model, idx, 6, temperature=0))
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == packed  # no product left to F.linear
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
@@ -439,7 +441,7 @@ def test_a_frozen_fp32_step_laid_out_for_decoding_is_kept_in_inductors_cache_on_
                                                                      "fxgraph_cache_hit")})
         assert torch.equal(out, generate(model, prompt(4), 6, temperature=0))
     stored, cold, read_back, other_weights = seen
-    assert stored["fxgraph_cache_bypass"] > 0
+    assert stored["fxgraph_cache_bypass"] > 0 or not torch._C.has_mkl  # (the MKL pass: x86 builds)
     assert cold["fxgraph_cache_bypass"] == 0 and cold["fxgraph_cache_miss"] > 0
     assert read_back["fxgraph_cache_bypass"] == read_back["fxgraph_cache_miss"] == 0 and read_back["fxgraph_cache_hit"] > 0
     assert other_weights["fxgraph_cache_hit"] == 0 and other_weights["fxgraph_cache_miss"] > 0
