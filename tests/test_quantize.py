@@ -416,7 +416,8 @@ def test_split_layers_decode_the_same_through_the_compiled_step(tiny_model, monk
     monkeypatch.setattr(generate_module, "SPLIT_BYTES", 3072)  # as above: most layers split in two
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     from torch._dynamo.utils import counters
-    packed, model = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"], decode_layout(tiny_model(pos="rope"))
+    model = decode_layout(tiny_model(pos="rope"))
+    packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]  # F.linear products packed for MKL
     assert sum(isinstance(m, SplitLinear) for m in model.modules()) == 9  # compiled: frozen_product, one row or two
     for idx in (prompt(4), prompt(4, B=2)):
         assert torch.equal(generate(model, idx, 6, temperature=0, compile=True), generate(model, idx, 6, temperature=0))
@@ -430,28 +431,18 @@ def test_a_frozen_fp32_step_laid_out_for_decoding_is_kept_in_inductors_cache_on_
     leaves alone: a graph holding MKL-packed weights is never written to inductor's cache, so that every
     process compiled fp32's step again (as the model as stored still does). Read back only for the same
     weights: the step read back holds weights its GEMM templates packed, which another model's must not
-    take (generate.frozen)."""
+    take (generate.frozen; so for every frozen step, int8's too)."""
     from torch._dynamo.utils import counters
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first laid-out compile is cold
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first compile is cold
     seen = []
-    for laid_out, seed in ((False, 0), (True, 0), (True, 0), (True, 5)):
-        model, before = tiny_model(seed, pos="rope"), counters["inductor"].copy()
-        out = generate(decode_layout(model) if laid_out else model, prompt(4), 6, temperature=0, compile=True)
+    for seed in (0, 0, 5):
+        model, before = decode_layout(tiny_model(seed, pos="rope")), counters["inductor"].copy()
+        out = generate(model, prompt(4), 6, temperature=0, compile=True)
         seen.append({k: counters["inductor"][k] - before[k] for k in ("fxgraph_cache_bypass", "fxgraph_cache_miss",
                                                                      "fxgraph_cache_hit")})
         assert torch.equal(out, generate(model, prompt(4), 6, temperature=0))
-    stored, cold, read_back, other_weights = seen
-    assert stored["fxgraph_cache_bypass"] > 0 or not torch._C.has_mkl  # (the MKL pass: x86 builds)
+    cold, read_back, other_weights = seen
     assert cold["fxgraph_cache_bypass"] == 0 and cold["fxgraph_cache_miss"] > 0
-    assert read_back["fxgraph_cache_bypass"] == read_back["fxgraph_cache_miss"] == 0 and read_back["fxgraph_cache_hit"] > 0
+    assert read_back["fxgraph_cache_bypass"] == read_back["fxgraph_cache_miss"] == 0
+    assert read_back["fxgraph_cache_hit"] > 0
     assert other_weights["fxgraph_cache_hit"] == 0 and other_weights["fxgraph_cache_miss"] > 0
-
-
-@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
-def test_a_quantized_step_read_back_from_disk_is_that_of_the_same_weights(tiny_model, monkeypatch, tmp_path):
-    """int8's frozen step holds weights inductor packed; a second model of the same shapes compiles its own."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    for seed in (0, 5):
-        model = quantize_int8(tiny_model(seed, pos="rope"))
-        assert torch.equal(generate(model, prompt(4), 6, temperature=0, compile=True),
-                           generate(model, prompt(4), 6, temperature=0))
