@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing can be downloaded here; nothing should try
 
@@ -405,9 +404,10 @@ def test_a_field_added_to_modelconfig_without_a_row_exports_at_its_default_only(
 
 
 def test_a_quantized_model_is_refused(tmp_path, tiny_model):
-    from quantize import quantize_int4, quantize_int4_dynamic, quantize_int8, quantize_int8_dynamic
+    from quantize import quantize_int4, quantize_int4_dynamic, quantize_int8, quantize_int8_dynamic, runs_here
     quantizers = [quantize_int8, lambda m: quantize_int4(m, 32), quantize_int8_dynamic]
-    for quantize in quantizers + [lambda m: quantize_int4_dynamic(m, 32)] * (shutil.which("c++") is not None):
+    w4a8 = runs_here("int4-dynamic", torch.device("cpu"))  # where w4a8.cpp builds
+    for quantize in quantizers + [lambda m: quantize_int4_dynamic(m, 32)] * w4a8:
         with pytest.raises(hf.HFError, match="quantized model"):
             hf.save_pretrained(quantize(tiny_model(vocab_size=V)), tmp_path)
 

@@ -12,11 +12,11 @@ result."""
 
 import copy
 import platform
-import shutil
 
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
 
 import generate as generate_module
 import common
@@ -62,6 +62,7 @@ def dequantized_int4(w, group_size):
 
 
 CXX = pytest.mark.skipif(not runs_here("int4-dynamic", torch.device("cpu")), reason="w4a8.cpp needs a C++ compiler")
+INDUCTOR = pytest.mark.skipif(not generate_module.cxx(), reason="inductor compiles a CPU step with a C++ compiler")
 
 
 def uneven_linear(n_in, n_out, group_size):
@@ -339,7 +340,7 @@ def test_a_w8a8_step_compiles_into_one_graph_and_a_copied_layer_is_one_of_its_ow
                                                                layer(x))
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
+@INDUCTOR
 @pytest.mark.parametrize("quantize", [quantize_int8, lambda m: quantize_int4(m, 32), quantize_int8_dynamic,
                                       pytest.param(lambda m: quantize_int4_dynamic(m, 32), marks=CXX)],
                          ids=["int8", "int4", "int8-dynamic", "int4-dynamic"])
@@ -411,11 +412,10 @@ def test_decode_layout_splits_the_large_layers_and_keeps_the_logits_and_the_tie(
     assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
+@INDUCTOR
 def test_split_layers_decode_the_same_through_the_compiled_step(tiny_model, monkeypatch):
     monkeypatch.setattr(generate_module, "SPLIT_BYTES", 3072)  # as above: most layers split in two
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    from torch._dynamo.utils import counters
     model = decode_layout(tiny_model(pos="rope"))
     packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]  # F.linear products packed for MKL
     assert sum(isinstance(m, SplitLinear) for m in model.modules()) == 9  # compiled: frozen_product, one row or two
@@ -424,7 +424,7 @@ def test_split_layers_decode_the_same_through_the_compiled_step(tiny_model, monk
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == packed  # no product left to F.linear
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles the step with g++")
+@INDUCTOR
 def test_a_frozen_fp32_step_laid_out_for_decoding_is_kept_in_inductors_cache_on_disk(tiny_model, monkeypatch,
                                                                                       tmp_path):
     """decode_layout's layers reach a frozen step as batched products, which inductor's MKL weight-pack pass
@@ -432,7 +432,6 @@ def test_a_frozen_fp32_step_laid_out_for_decoding_is_kept_in_inductors_cache_on_
     process compiled fp32's step again (as the model as stored still does). Read back only for the same
     weights: the step read back holds weights its GEMM templates packed, which another model's must not
     take (generate.frozen; so for every frozen step, int8's too)."""
-    from torch._dynamo.utils import counters
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first compile is cold
     seen = []
     for seed in (0, 0, 5):
